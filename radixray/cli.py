@@ -1,0 +1,87 @@
+"""The ``radixray`` command: generate (offline, in-process) and bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="'default' (SmolLM2-135M GGUF), an HF folder or a .gguf")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
+    p.add_argument("--mem-fraction-static", type=float, default=0.3)
+    p.add_argument("--chunked-prefill-size", type=int, default=2048)
+    p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"])
+    p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--log-level", default="info")
+
+
+def _engine_options(args) -> dict:
+    return dict(model=args.model, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
+                mem_fraction_static=args.mem_fraction_static,
+                chunked_prefill_size=args.chunked_prefill_size,
+                max_running_requests=args.max_running_requests,
+                schedule_policy=args.schedule_policy, disable_radix_cache=args.disable_radix_cache)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="[%(asctime)s] %(message)s",
+                        datefmt="%Y-%m-%d %H:%M:%S")
+
+
+def cmd_generate(args) -> int:
+    from radixray import Engine
+    with Engine(**_engine_options(args)) as engine:
+        params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
+        if args.chat:
+            ids = engine.apply_chat_template([{"role": "user", "content": args.chat}])
+            out = engine.generate(input_ids=ids, sampling_params=params)
+        else:
+            out = engine.generate(args.prompt, params)
+    print(out["text"])
+    print(json.dumps(out["meta_info"], indent=2), file=sys.stderr)
+    return 0
+
+
+def cmd_bench_offline(args) -> int:
+    from radixray.bench.offline import run_offline_bench
+    run_offline_bench(args)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="radixray", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="run one prompt in-process and print the answer")
+    _engine_args(gen)
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="raw text prompt")
+    src.add_argument("--chat", help="a user message, formatted with the model's chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    off = bench_sub.add_parser("offline", help="decode/prefill throughput and roofline ratios")
+    _engine_args(off)
+    off.add_argument("--batch-sizes", default="1,8,32,64")
+    off.add_argument("--decode-steps", type=int, default=32)
+    off.add_argument("--context-len", type=int, default=128, help="prompt tokens per decode request")
+    off.add_argument("--prefill-len", type=int, default=512)
+    off.add_argument("--prefill-prompts", type=int, default=4)
+    off.add_argument("--output", default=None, help="write results as JSON here")
+    off.set_defaults(func=cmd_bench_offline)
+
+    args = parser.parse_args(argv)
+    _setup_logging(args.log_level)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One worker's engine, usable in-process without Ray."""

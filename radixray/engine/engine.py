@@ -1,0 +1,215 @@
+"""radixray.Engine: the in-process engine (no Ray), with a background scheduler thread."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from radixray.engine.config import EngineConfig
+from radixray.engine.detokenizer import IncrementalDetokenizer
+from radixray.engine.inputs import Limits, build_requests
+from radixray.engine.loader import resolve_model
+from radixray.engine.model_runner import ModelRunner
+from radixray.engine.request import Req
+from radixray.engine.scheduler import AbortCommand, CallInLoop, Scheduler
+from radixray.engine.stop import StopChecker, eos_token_ids
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Subscriber:
+    """Where one request's progress goes: an event (blocking call) or an asyncio queue (stream)."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    loop: asyncio.AbstractEventLoop | None = None
+    queue: asyncio.Queue | None = None
+
+
+def meta_info(req: Req) -> dict:
+    """Per-request accounting returned with every result."""
+    t0 = req.arrival_time
+    return {
+        "id": req.rid,
+        "finish_reason": req.finish_reason.to_dict() if req.finish_reason else None,
+        "prompt_tokens": len(req.prompt_ids),
+        "completion_tokens": len(req.output_ids),
+        "cached_tokens": req.cached_tokens,
+        "queue_time": (req.admit_time - t0) if req.admit_time else None,
+        "first_token_latency": (req.first_token_time - t0) if req.first_token_time else None,
+        "e2e_latency": (req.finish_time - t0) if req.finish_time else None,
+        "num_retractions": req.num_retractions,
+    }
+
+
+class Engine:
+    """Serve one model in this process.
+
+    ``Engine(model="default", max_total_tokens=..., ...)`` accepts every field of
+    :class:`EngineConfig`. ``generate`` blocks until its prompts finish;
+    ``generate_stream`` yields chunks as tokens arrive. Both may be called from
+    many threads or tasks at once: every call joins the same continuous batch.
+    """
+
+    def __init__(self, model: str = "default", **options):
+        self.config = EngineConfig.from_kwargs(model=model, **options)
+        source = resolve_model(self.config.model)
+        self.tokenizer = source.tokenizer
+        self.hf_config = source.config
+        self.runner = ModelRunner(self.config, source)
+        stop_checker = StopChecker(self.tokenizer, eos_token_ids(self.tokenizer, source.config))
+        self.scheduler = Scheduler(self.config, self.runner, stop_checker, self._on_output)
+        self.limits = Limits(self.runner.vocab_size, self.runner.context_len,
+                             self.runner.max_total_tokens)
+        self._subs: dict[str, _Subscriber] = {}
+        self._reqs: dict[str, Req] = {}
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="radixray-scheduler", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            self.scheduler.run_forever(lambda: self._stopping)
+        except Exception:
+            logger.exception("scheduler loop crashed")
+            raise
+
+    # ---- output path (scheduler thread) ----------------------------------------------
+    def _on_output(self, reqs: list[Req]) -> None:
+        for req in reqs:
+            sub = self._subs.get(req.rid)
+            if sub is None:
+                continue
+            if sub.queue is not None:
+                new = req.output_ids[req.emitted:]
+                lps = req.output_logprobs[req.emitted:] if req.sampling.return_logprob else None
+                req.emitted = len(req.output_ids)
+                chunk = (new, lps, meta_info(req) if req.finished else None)
+                sub.loop.call_soon_threadsafe(sub.queue.put_nowait, chunk)
+            if req.finished:
+                sub.done.set()
+
+    # ---- public API ------------------------------------------------------------------
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, rid=None, priority=None):
+        """Run prompts to completion. One prompt -> a dict; a list of prompts -> a list of dicts.
+
+        Each dict has ``text``, ``output_ids``, ``meta_info`` (see :func:`meta_info`)
+        and, when requested, ``output_token_logprobs`` / ``output_top_logprobs``.
+        Raises ValueError naming the bad field before anything is scheduled.
+        """
+        reqs, is_batch = build_requests(prompt, input_ids, sampling_params, self.tokenizer,
+                                        self.limits, rid, priority)
+        subs = self._register(reqs)
+        self.scheduler.submit(reqs)
+        for sub in subs:
+            sub.done.wait()
+        results = [self._result(r) for r in reqs]
+        return results if is_batch else results[0]
+
+    async def generate_stream(self, prompt=None, sampling_params=None, input_ids=None, rid=None,
+                              priority=None) -> AsyncIterator[dict]:
+        """Yield ``{"text": delta, "output_ids": new ids, "finished": bool, "meta_info"?}`` chunks.
+
+        Text is released incrementally: incomplete UTF-8 characters and text that
+        may still become a stop string are held back. Closing the generator early
+        aborts the request.
+        """
+        reqs, is_batch = build_requests(prompt, input_ids, sampling_params, self.tokenizer,
+                                        self.limits, rid, priority)
+        if is_batch:
+            raise ValueError("generate_stream takes one prompt")
+        req = reqs[0]
+        sub = _Subscriber(loop=asyncio.get_running_loop(), queue=asyncio.Queue())
+        with self._lock:
+            self._subs[req.rid] = sub
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids,
+                                       skip_special_tokens=req.sampling.skip_special_tokens,
+                                       stop=req.sampling.stop)
+        self.scheduler.submit([req])
+        finished = False
+        try:
+            while not finished:
+                new, lps, meta = await sub.queue.get()
+                finished = meta is not None
+                text = detok.add_tokens(new)
+                if finished and not detok.stopped:
+                    text += detok.finish()
+                chunk = {"text": text, "output_ids": new, "finished": finished}
+                if lps is not None:
+                    chunk["output_token_logprobs"] = lps
+                if finished:
+                    chunk["meta_info"] = meta
+                yield chunk
+        finally:
+            with self._lock:
+                self._subs.pop(req.rid, None)
+            if not finished:
+                self.scheduler.submit(AbortCommand(req.rid))
+
+    def abort(self, rid: str) -> None:
+        """Abort a request by id; its KV returns to the pool or the cache."""
+        self.scheduler.submit(AbortCommand(rid))
+
+    def call_in_loop(self, fn, timeout: float = 60.0):
+        """Run ``fn(scheduler)`` on the scheduler thread between steps and return its result."""
+        future: Future = Future()
+        self.scheduler.submit(CallInLoop(fn, future))
+        return future.result(timeout)
+
+    def flush_cache(self) -> bool:
+        """Drop all cached prefixes. False while requests are running (nothing changes then)."""
+        return self.call_in_loop(lambda s: s.kv.flush_cache())
+
+    def check_kv_conservation(self) -> dict:
+        """Assert free + request-held + cache-held == pool size now; return the four numbers."""
+        def check(s: Scheduler) -> dict:
+            s.check_kv_conservation()
+            return {"free": s.kv.allocator.available_size(), "cached": s.kv.cache.total_size(),
+                    "pool": s.kv.pool_size, "running": len(s.running), "waiting": len(s.waiting)}
+        return self.call_in_loop(check)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a chat, formatted with the model's chat template."""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        # The template already holds any BOS/special tokens it wants.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._thread.join(timeout=30)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    # ---- helpers ---------------------------------------------------------------------
+    def _register(self, reqs: list[Req]) -> list[_Subscriber]:
+        subs = [_Subscriber() for _ in reqs]
+        with self._lock:
+            for req, sub in zip(reqs, subs):
+                self._subs[req.rid] = sub
+        return subs
+
+    def _result(self, req: Req) -> dict:
+        with self._lock:
+            self._subs.pop(req.rid, None)
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids,
+                                       skip_special_tokens=req.sampling.skip_special_tokens,
+                                       stop=req.sampling.stop)
+        text = detok.add_tokens(req.output_ids)
+        if not detok.stopped:
+            text += detok.finish()
+        out = {"text": text, "output_ids": list(req.output_ids), "meta_info": meta_info(req)}
+        if req.sampling.return_logprob:
+            out["output_token_logprobs"] = list(req.output_logprobs)
+            if req.sampling.top_logprobs_num:
+                out["output_top_logprobs"] = list(req.output_top_logprobs)
+        return out

@@ -1,0 +1,50 @@
+"""The tensors one forward pass needs, built by the model runner from a scheduled batch."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill: each request adds one or more tokens after an optional cached prefix
+    DECODE = "decode"  # each request adds exactly one token
+
+
+@dataclass
+class ForwardBatch:
+    """Packed inputs of one step.
+
+    Tokens of all requests are concatenated in batch order: request ``i`` owns
+    ``extend_lens[i]`` consecutive rows. ``prefix_lens[i]`` tokens of request ``i``
+    already have KV in the pool; after the step it has ``seq_lens[i]`` tokens.
+    ``out_cache_loc`` holds the KV slot each new token writes.
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64
+    req_rows: torch.Tensor  # [B] int64 rows of ReqToTokenPool
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    seq_lens: list[int]
+    # Filled by the attention backend's init_forward_metadata, once per step.
+    attn_metadata: dict = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def last_token_rows(self) -> torch.Tensor:
+        """Row index of each request's last new token (where its next-token logits come from)."""
+        if self.mode is ForwardMode.DECODE:
+            return torch.arange(self.batch_size)
+        ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0)
+        return ends - 1

@@ -1,0 +1,101 @@
+"""Turning user prompts and parameters into validated requests.
+
+All checks run for the whole call before anything is scheduled, so one bad
+prompt in a batch rejects the call and leaves the engine untouched.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from radixray.engine.request import Req
+from radixray.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    context_len: int
+    max_total_tokens: int
+
+
+def normalize_prompts(prompt, input_ids) -> tuple[list, bool]:
+    """Return (list of prompts, each str or list[int]; whether the call was a batch)."""
+    if (prompt is None) == (input_ids is None):
+        raise ValueError("give exactly one of prompt (text) or input_ids (token ids)")
+    if prompt is not None:
+        if isinstance(prompt, str):
+            return [prompt], False
+        if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+            if not prompt:
+                raise ValueError("prompt must not be an empty list")
+            return list(prompt), True
+        raise ValueError("prompt must be a string or a list of strings")
+    if isinstance(input_ids, list) and input_ids and all(isinstance(t, list) for t in input_ids):
+        return list(input_ids), True
+    if isinstance(input_ids, list):
+        return [input_ids], False
+    raise ValueError("input_ids must be a list of ints or a list of lists of ints")
+
+
+def _per_prompt(value, n: int, name: str) -> list:
+    """Broadcast one value to every prompt, or check a per-prompt list's length."""
+    if isinstance(value, list):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return value
+    return [value] * n
+
+
+def to_sampling_params(value) -> SamplingParams:
+    if isinstance(value, SamplingParams):
+        return value
+    if value is None or isinstance(value, dict):
+        return SamplingParams.from_dict(value)
+    raise ValueError(f"sampling_params must be a dict or SamplingParams, got {type(value).__name__}")
+
+
+def check_token_ids(ids, limits: Limits, index: int) -> list[int]:
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError(f"input_ids[{index}] must be a list of ints")
+    if not ids:
+        raise ValueError(f"prompt {index} is empty: at least 1 token is required")
+    bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"input_ids[{index}] contains token id {bad}, outside the vocabulary "
+                         f"[0, {limits.vocab_size})")
+    if len(ids) >= limits.context_len:
+        raise ValueError(f"prompt {index} has {len(ids)} tokens; it must be shorter than the "
+                         f"context length {limits.context_len}")
+    if len(ids) + 1 > limits.max_total_tokens:
+        raise ValueError(f"prompt {index} needs {len(ids) + 1} KV slots but the pool holds "
+                         f"max_total_tokens={limits.max_total_tokens}")
+    return ids
+
+
+def build_requests(prompt, input_ids, sampling_params, tokenizer, limits: Limits,
+                   rid=None, priority=None) -> tuple[list[Req], bool]:
+    """Validate everything, then build one Req per prompt. Raises ValueError naming the field."""
+    prompts, is_batch = normalize_prompts(prompt, input_ids)
+    n = len(prompts)
+    params = [to_sampling_params(p) for p in _per_prompt(sampling_params, n, "sampling_params")]
+    for p in params:
+        p.validate(limits.vocab_size)
+    rids = _per_prompt(rid, n, "rid")
+    priorities = _per_prompt(priority, n, "priority")
+    reqs = []
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        if isinstance(p, str):
+            if not p:
+                raise ValueError(f"prompt {i} is empty: at least 1 character is required")
+            ids = tokenizer.encode(p, add_special_tokens=True)
+        else:
+            ids = p
+        ids = check_token_ids(ids, limits, i)
+        prio = priorities[i] if priorities[i] is not None else 0
+        if not isinstance(prio, int):
+            raise ValueError(f"priority must be an integer, got {prio!r}")
+        reqs.append(Req(rid=rids[i] or uuid.uuid4().hex, prompt_ids=list(ids), sampling=sp,
+                        priority=prio))
+    return reqs, is_batch

@@ -1,0 +1,133 @@
+"""Ownership of KV slots between requests and the radix cache.
+
+Every slot is in exactly one of three places: the allocator's free list, a
+request (slots past its locked prefix), or the radix tree. ``check_conservation``
+asserts ``free + request-held + cache-held == pool size``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixray.engine.memory import ReqToTokenPool, TokenSlotAllocator
+from radixray.engine.radix_cache import MatchResult, RadixCache
+from radixray.engine.request import Req
+
+
+class KVManager:
+    """Allocates, shares, caches and frees the KV of requests."""
+
+    def __init__(self, allocator: TokenSlotAllocator, req_pool: ReqToTokenPool, cache: RadixCache):
+        self.allocator = allocator
+        self.req_pool = req_pool
+        self.cache = cache
+        self.table = req_pool.table
+
+    @property
+    def pool_size(self) -> int:
+        return self.allocator.size
+
+    def available_tokens(self) -> int:
+        """Slots a new allocation can get: free now plus evictable cached prefixes."""
+        return self.allocator.available_size() + self.cache.evictable_size()
+
+    def used_tokens(self) -> int:
+        return self.pool_size - self.allocator.available_size()
+
+    def match(self, req: Req) -> MatchResult:
+        """Cached prefix of the request's sequence, at most ``seq_len - 1`` tokens. Locks nothing."""
+        return self.cache.match_prefix(req.all_ids[: req.seq_len - 1])
+
+    def alloc_slots(self, n: int) -> torch.Tensor | None:
+        """``n`` free slots, evicting unlocked cached prefixes if needed; ``None`` if impossible."""
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            self.cache.evict(n - self.allocator.available_size())
+            slots = self.allocator.alloc(n)
+        return slots
+
+    def admit(self, req: Req, match: MatchResult) -> bool:
+        """Give the request a table row and lock its matched prefix. False if no row is free."""
+        row = self.req_pool.alloc()
+        if row is None:
+            return False
+        req.req_row = row
+        n = len(match.slots)
+        if n:
+            self.table[row, :n] = match.slots
+        self.cache.inc_lock_ref(match.last_node)
+        req.last_node = match.last_node
+        req.kv_len = req.cache_locked_len = n
+        return True
+
+    def extend(self, req: Req, n: int) -> torch.Tensor | None:
+        """Allocate KV for the request's next ``n`` tokens and record them in its row."""
+        slots = self.alloc_slots(n)
+        if slots is not None:
+            self.table[req.req_row, req.kv_len:req.kv_len + n] = slots
+        return slots
+
+    def extend_decode(self, reqs: list[Req]) -> torch.Tensor | None:
+        """One slot per request for a decode step, written at each request's current length."""
+        slots = self.alloc_slots(len(reqs))
+        if slots is not None:
+            rows = torch.tensor([r.req_row for r in reqs], dtype=torch.int64)
+            cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+            self.table[rows, cols] = slots
+        return slots
+
+    def _insert(self, req: Req) -> None:
+        """Move the request's computed KV into the tree; free its duplicate slots."""
+        key = req.all_ids[: req.kv_len]
+        row_slots = self.table[req.req_row, : req.kv_len]
+        already = self.cache.insert(key, row_slots)
+        if already > req.cache_locked_len:
+            self.allocator.free(row_slots[req.cache_locked_len:already].clone())
+
+    def cache_unfinished(self, req: Req) -> None:
+        """After a prefill chunk: share the request's KV through the tree and keep it locked."""
+        if self.cache.disabled:
+            return
+        self._insert(req)
+        match = self.cache.match_prefix(req.all_ids[: req.kv_len])
+        n = len(match.slots)
+        self.table[req.req_row, :n] = match.slots
+        self.cache.inc_lock_ref(match.last_node)
+        self.cache.dec_lock_ref(req.last_node)
+        req.last_node = match.last_node
+        req.cache_locked_len = n
+
+    def release(self, req: Req) -> None:
+        """The request stops holding KV (finished, aborted or retracted).
+
+        Its computed KV goes into the tree (so a retried or repeated prompt hits),
+        or back to the free list when the cache is disabled.
+        """
+        if req.req_row is None:
+            return
+        if self.cache.disabled:
+            self.allocator.free(self.table[req.req_row, : req.kv_len].clone())
+        else:
+            self._insert(req)
+            self.cache.dec_lock_ref(req.last_node)
+        self.req_pool.free(req.req_row)
+        req.req_row = None
+        req.last_node = None
+        req.kv_len = req.cache_locked_len = 0
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix. Only possible while no request holds a row."""
+        if self.req_pool.available_size() != self.req_pool.max_requests:
+            return False
+        self.cache.reset()
+        return True
+
+    def check_conservation(self, running: list[Req]) -> None:
+        """Raise AssertionError unless free + request-held + cache-held == pool size."""
+        free = self.allocator.available_size()
+        held = sum(r.owned_kv_len for r in running if r.req_row is not None)
+        cached = self.cache.total_size()
+        if free + held + cached != self.pool_size:
+            raise AssertionError(
+                f"KV slots lost: free {free} + request-held {held} + cache-held {cached} "
+                f"!= pool size {self.pool_size}")

@@ -1,0 +1,147 @@
+"""ModelRunner: loads the model, sizes and owns the KV memory, turns scheduled requests into logits."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from radixray.engine.config import EngineConfig
+from radixray.engine.forward_batch import ForwardBatch, ForwardMode
+from radixray.engine.loader import ModelSource
+from radixray.engine.memory import KVPool, ReqToTokenPool, TokenSlotAllocator, kv_bytes_per_token
+from radixray.engine.models import model_class_for
+from radixray.engine.request import Req
+from radixray.kernels.attention import create_attention_backend
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def available_memory_bytes(device: str) -> int:
+    """Memory a new allocation can use now: MemAvailable on CPU, free device memory on CUDA."""
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info()
+        return int(free)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+def pick_dtype(name: str, device: str) -> tuple[torch.dtype, str]:
+    """Resolve ``auto``: bf16 on GPUs; on CPUs the dtype measured faster for decode here."""
+    if name != "auto":
+        return _DTYPES[name], "requested"
+    if device.startswith("cuda"):
+        return torch.bfloat16, "auto: GPU"
+    return torch.float32, "auto: fp32 decodes faster than bf16 on this CPU (docs/benchmarks.md)"
+
+
+class ModelRunner:
+    """Owns the model, the KV pool, the request table and the attention backend.
+
+    Limits computed here (pool size, request rows, context length) are exposed as
+    attributes and logged once at start-up.
+    """
+
+    def __init__(self, config: EngineConfig, source: ModelSource):
+        self.config = config
+        self.device = config.device
+        self.dtype, dtype_reason = pick_dtype(config.dtype, config.device)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        hf = source.config
+        self.hf_config = hf
+        self.vocab_size = hf.vocab_size
+        self.context_len = config.context_length or hf.max_position_embeddings
+
+        t0 = time.perf_counter()
+        mem_before = available_memory_bytes(self.device)
+        self.model = model_class_for(hf)(hf, self.dtype, max_positions=self.context_len)
+        self.model.load_weights(source.weights())
+        self.model.to(self.device).eval()
+        load_s = time.perf_counter() - t0
+
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.bytes_per_token = kv_bytes_per_token(
+            hf.num_hidden_layers, hf.num_key_value_heads, head_dim, self.dtype)
+        if config.max_total_tokens is not None:
+            self.max_total_tokens = config.max_total_tokens
+        else:
+            mem_after = available_memory_bytes(self.device)
+            budget = mem_after - (1.0 - config.mem_fraction_static) * mem_before
+            if budget <= self.bytes_per_token:
+                raise RuntimeError(
+                    f"no memory left for the KV cache with mem_fraction_static="
+                    f"{config.mem_fraction_static}: raise it or set max_total_tokens")
+            self.max_total_tokens = int(budget // self.bytes_per_token)
+        default_rows = min(max(int(self.max_total_tokens / self.context_len * 512), 2048), 4096)
+        self.max_running_requests = min(config.max_running_requests or default_rows,
+                                        self.max_total_tokens)
+
+        self.kv_pool = KVPool(self.max_total_tokens, hf.num_hidden_layers, hf.num_key_value_heads,
+                              head_dim, self.dtype, self.device)
+        self.req_pool = ReqToTokenPool(self.max_running_requests, self.context_len)
+        self.allocator = TokenSlotAllocator(self.max_total_tokens)
+        scaling = getattr(hf, "query_pre_attn_scalar", None)
+        scaling = (scaling or head_dim) ** -0.5
+        self.attn_backend = create_attention_backend(
+            config.attention_backend, self.req_pool.table, self.kv_pool, scaling)
+        for attn in self.model.attention_layers():
+            attn.attn = self.attn_backend
+
+        logger.info(
+            "Model %s loaded in %.1f s: dtype=%s (%s), %d layers, %d kv heads, head_dim %d",
+            getattr(hf, "architectures", ["?"])[0], load_s, str(self.dtype).removeprefix("torch."),
+            dtype_reason, hf.num_hidden_layers, hf.num_key_value_heads, head_dim)
+        logger.info(
+            "KV cache: bytes_per_token=%d, max_total_num_tokens=%d (%.1f MB), chunked_prefill_size=%s, "
+            "max_prefill_tokens=%d, max_running_requests=%d, context_len=%d, dtype=%s, "
+            "attention_backend=%s, device=%s, threads=%d",
+            self.bytes_per_token, self.max_total_tokens,
+            self.bytes_per_token * self.max_total_tokens / 2**20, config.chunk_size,
+            config.max_prefill_tokens, self.max_running_requests, self.context_len,
+            str(self.dtype).removeprefix("torch."), self.attn_backend.name, self.device,
+            torch.get_num_threads())
+
+    # ---- batches ---------------------------------------------------------------------
+    def build_extend_batch(self, items: list[tuple[Req, int]], slots: list[torch.Tensor]) -> ForwardBatch:
+        """Prefill ``n`` new tokens of each request after its first ``kv_len`` tokens."""
+        ids: list[int] = []
+        positions: list[int] = []
+        prefix_lens, extend_lens, seq_lens = [], [], []
+        for req, n in items:
+            start = req.kv_len
+            ids.extend(req.all_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            prefix_lens.append(start)
+            extend_lens.append(n)
+            seq_lens.append(start + n)
+        return ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            out_cache_loc=torch.cat(slots) if len(slots) > 1 else slots[0],
+            req_rows=torch.tensor([r.req_row for r, _ in items], dtype=torch.int64),
+            prefix_lens=prefix_lens, extend_lens=extend_lens, seq_lens=seq_lens)
+
+    def build_decode_batch(self, reqs: list[Req], slots: torch.Tensor) -> ForwardBatch:
+        """One new token per request: its last output token, at position ``kv_len``."""
+        kv_lens = [r.kv_len for r in reqs]
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64),
+            positions=torch.tensor(kv_lens, dtype=torch.int64),
+            out_cache_loc=slots,
+            req_rows=torch.tensor([r.req_row for r in reqs], dtype=torch.int64),
+            prefix_lens=kv_lens, extend_lens=[1] * len(reqs), seq_lens=[n + 1 for n in kv_lens])
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """fp32 logits ``[B, vocab]`` for each request's last new token."""
+        self.attn_backend.init_forward_metadata(batch)
+        return self.model(batch)

@@ -1,0 +1,62 @@
+"""Building blocks shared by the decoder models: RMSNorm, rotary embedding, fused linears."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32, in the same order as Hugging Face's Llama norm."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (rotate-half layout) with a precomputed cos/sin table.
+
+    The inverse frequencies come from transformers' rope initialisers, so every
+    rope type a Hugging Face config names (default, llama3, yarn, ...) matches.
+    """
+
+    def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype):
+        super().__init__()
+        params = getattr(config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        pos = torch.arange(max_positions, dtype=torch.float)
+        freqs = pos[:, None] * inv_freq[None, :].float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
+        self.half = head_dim // 2
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` of shape ``[T, heads, head_dim]`` by each token's position."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x[..., : self.half], x[..., self.half:]
+        rotated = torch.cat((-x2, x1), dim=-1)
+        return x * cos + rotated * sin
+
+
+def load_into_shard(param: torch.Tensor, loaded: torch.Tensor, offset: int, size: int) -> None:
+    """Copy ``loaded`` into rows ``[offset, offset + size)`` of a fused parameter."""
+    if loaded.shape[0] != size:
+        raise ValueError(f"shard of {size} rows expected, checkpoint tensor has shape {tuple(loaded.shape)}")
+    param.data[offset:offset + size].copy_(loaded)

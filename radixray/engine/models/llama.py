@@ -1,0 +1,150 @@
+"""Llama-family dense decoder: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (per-head q/k norm).
+
+Projections are fused (q|k|v into one matmul, gate|up into another) so a decode
+step launches as few ops as possible; ``load_weights`` maps Hugging Face
+parameter names onto the fused shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixray.engine.forward_batch import ForwardBatch, ForwardMode
+from radixray.engine.models.layers import RMSNorm, RotaryEmbedding, load_into_shard
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.rotary = rotary
+        # Qwen3 normalises each query and key head before rotation.
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.attn = None  # set by the model runner: an AttentionBackend
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        n_qk = self.num_heads + self.num_kv_heads
+        qk = qkv[:, : self.q_size + self.kv_size].view(-1, n_qk, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads:])), 1)
+        qk = self.rotary(positions, qk)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
+        out = self.attn.forward(q, k, v, self.layer_id, batch)
+        return self.o_proj(out.reshape(-1, self.q_size).to(x.dtype))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.inter = config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=bias)
+        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter:])
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_id, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, positions, x, batch):
+        h = x + self.self_attn(positions, self.input_layernorm(x), batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder over packed tokens; ``forward`` returns fp32 logits of each request's last new token."""
+
+    def __init__(self, config, dtype: torch.dtype = torch.float32, max_positions: int | None = None):
+        super().__init__()
+        self.config = config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        max_positions = max_positions or config.max_position_embeddings
+        self.rotary = RotaryEmbedding(config, head_dim, max_positions, dtype)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, self.rotary) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.to(dtype)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    def attention_layers(self) -> list[LlamaAttention]:
+        return [layer.self_attn for layer in self.layers]
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            x = layer(batch.positions, x, batch)
+        last = x if batch.mode is ForwardMode.DECODE else x[batch.last_token_rows()]
+        return F.linear(self.norm(last), self.lm_head_weight).float()
+
+    # ---- weight loading -------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the fused parameters; unknown names are an error."""
+        params = dict(self.named_parameters())
+        attn0 = self.layers[0].self_attn
+        q, kv = attn0.q_size, attn0.kv_size
+        inter = self.layers[0].mlp.inter
+        fused = {
+            "q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
+            "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter),
+        }
+        seen = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name or (name.startswith("lm_head") and self.tie_word_embeddings):
+                continue
+            for part, (target, offset, size) in fused.items():
+                if f".{part}." in name:
+                    target_name = name.replace(part, target)
+                    load_into_shard(params[target_name], tensor, offset, size)
+                    seen.add(f"{target_name}:{part}")
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
+                if params[name].shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model "
+                                     f"{tuple(params[name].shape)}")
+                params[name].data.copy_(tensor)
+                seen.add(name)
+        expected = set()
+        for pname in params:
+            owner = pname.split(".")[-2] if "." in pname else ""
+            parts = [p for p, (t, _, _) in fused.items() if t == owner]
+            expected.update(f"{pname}:{p}" for p in parts) if parts else expected.add(pname)
+        # Biases of fused projections come from the same shard names as their weights.
+        missing = sorted(expected - seen)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

@@ -1,0 +1,103 @@
+"""Req: the single per-request state the scheduler keeps (tokens, parameters, KV, timings)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from radixray.engine.sampling import SamplingParams
+
+
+@dataclass
+class FinishReason:
+    """Why a request ended. ``type`` is stop | length | abort."""
+
+    type: str
+    matched: int | str | None = None  # the stop token id or stop string that matched
+    length: int | None = None
+    message: str | None = None
+
+    def to_dict(self) -> dict:
+        d: dict = {"type": self.type}
+        if self.type == "stop":
+            d["matched"] = self.matched
+        elif self.type == "length":
+            d["length"] = self.length
+        elif self.message:
+            d["message"] = self.message
+        return d
+
+
+@dataclass(eq=False)
+class Req:
+    """One request from arrival to finish.
+
+    The token sequence is ``prompt_ids + output_ids``; KV exists in the pool for
+    its first ``kv_len`` tokens. Of those, the first ``cache_locked_len`` belong
+    to the radix tree (locked through ``last_node`` while the request runs); the
+    rest are slots the request owns itself.
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    # KV placement
+    req_row: int | None = None
+    kv_len: int = 0
+    cache_locked_len: int = 0
+    last_node: object | None = None
+    # length of this step's new tokens (set when scheduled)
+    extend_len: int = 0
+
+    # accounting the user sees
+    cached_tokens: int = 0
+    num_retractions: int = 0
+    admit_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    # how many output tokens have been handed to the caller
+    emitted: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def owned_kv_len(self) -> int:
+        """KV slots this request holds that the radix tree does not."""
+        return self.kv_len - self.cache_locked_len
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while some of the sequence (besides nothing) still lacks KV beyond one decode token."""
+        return self.seq_len - self.kv_len > 1 or not self.output_ids
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(0, self.sampling.max_new_tokens - len(self.output_ids))
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def reset_for_retraction(self) -> None:
+        self.req_row = None
+        self.kv_len = 0
+        self.cache_locked_len = 0
+        self.last_node = None
+        self.num_retractions += 1

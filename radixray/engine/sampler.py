@@ -1,0 +1,213 @@
+"""Batched next-token sampling with penalties, filtering and logprobs.
+
+One call handles one decode step of a batch: one logits row per request. The
+all-greedy batch without penalties or logprobs is a single argmax. Otherwise
+the work is vectorised over rows; only the draw of a row with its own seeded
+generator runs per row, so a seeded request gets the same token whether it is
+alone or batched with others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixray.engine.sampling import SamplingParams
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    # Chosen-token logprob per row; None for rows that did not ask (the whole
+    # field is None when no row asked).
+    logprobs: list[float | None] | None = None
+    # Per row: top-k (token, logprob) sorted by logprob, descending; [] for rows
+    # that asked for none (None when no row asked for logprobs at all).
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
+
+
+def _wants_logprob(p: SamplingParams) -> bool:
+    return p.return_logprob or p.top_logprobs_num > 0
+
+
+class Sampler:
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        output_histories: list[list[int]],
+    ) -> SampleOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(params):
+            raise ValueError(
+                f"logits must be [B, V] with B={len(params)}, got {tuple(logits.shape)}"
+            )
+        batch = len(params)
+        if batch == 0:
+            return SampleOutput(token_ids=[])
+
+        pen_rows = [i for i, p in enumerate(params) if _has_penalty(p) and output_histories[i]]
+        lp_rows = [i for i, p in enumerate(params) if _wants_logprob(p)]
+        greedy = [p.is_greedy for p in params]
+
+        # Fast path: one argmax over the batch, no float copy.
+        if all(greedy) and not pen_rows and not lp_rows:
+            return SampleOutput(token_ids=logits.argmax(dim=-1).tolist())
+
+        device = logits.device
+        # Out-of-place from here on; .float() may alias an fp32 input.
+        x = logits.float()
+        if pen_rows:
+            x = self._apply_penalties(x, params, output_histories, pen_rows)
+
+        tokens = x.argmax(dim=-1)
+        sample_rows = [i for i in range(batch) if not greedy[i]]
+        if sample_rows:
+            picked = self._sample_rows(x, params, generators, sample_rows)
+            rows_t = torch.tensor(sample_rows, device=device)
+            tokens = tokens.index_put((rows_t,), picked)
+
+        token_list = tokens.tolist()
+        if not lp_rows:
+            return SampleOutput(token_ids=token_list)
+        logprobs, top = self._logprobs(x, params, lp_rows, tokens, batch)
+        return SampleOutput(token_ids=token_list, logprobs=logprobs, top_logprobs=top)
+
+    # ------------------------------------------------------------------ penalties
+    @staticmethod
+    def _apply_penalties(
+        x: torch.Tensor,
+        params: list[SamplingParams],
+        histories: list[list[int]],
+        rows: list[int],
+    ) -> torch.Tensor:
+        """Frequency, presence and repetition penalties over generated tokens."""
+        device, vocab = x.device, x.shape[1]
+        n = len(rows)
+        max_len = max(len(histories[i]) for i in rows)
+        ids = torch.zeros(n, max_len, dtype=torch.long)
+        mask = torch.zeros(n, max_len, dtype=torch.float32)
+        for j, i in enumerate(rows):
+            h = histories[i]
+            ids[j, : len(h)] = torch.tensor(h, dtype=torch.long)
+            mask[j, : len(h)] = 1.0
+        ids, mask = ids.to(device), mask.to(device)
+        counts = torch.zeros(n, vocab, dtype=torch.float32, device=device)
+        counts.scatter_add_(1, ids.clamp_(0, vocab - 1), mask)
+        seen = counts > 0
+
+        def col(name: str) -> torch.Tensor:
+            vals = [float(getattr(params[i], name)) for i in rows]
+            return torch.tensor(vals, dtype=torch.float32, device=device).unsqueeze(1)
+
+        rep, freq, pres = (
+            col("repetition_penalty"),
+            col("frequency_penalty"),
+            col("presence_penalty"),
+        )
+        rows_t = torch.tensor(rows, device=device)
+        sub = x.index_select(0, rows_t)
+        penalised = torch.where(sub > 0, sub / rep, sub * rep)
+        sub = torch.where(seen, penalised, sub)
+        sub = sub - freq * counts - pres * seen.float()
+        return x.index_put((rows_t,), sub)
+
+    # ------------------------------------------------------------------ sampling
+    def _sample_rows(
+        self,
+        x: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        rows: list[int],
+    ) -> torch.Tensor:
+        """Return one sampled token id per row in ``rows`` (tensor [len(rows)])."""
+        device, vocab = x.device, x.shape[1]
+        ps = [params[i] for i in rows]
+        rows_t = torch.tensor(rows, device=device)
+        temps = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=device)
+        probs = torch.softmax(x.index_select(0, rows_t) / temps.unsqueeze(1), dim=-1)
+
+        use_top_k = any(0 < p.top_k < vocab for p in ps)
+        use_top_p = any(p.top_p < 1.0 for p in ps)
+        use_min_p = any(p.min_p > 0.0 for p in ps)
+        index_map = None
+        if use_top_k or use_top_p:  # filter in sorted order
+            probs, index_map = probs.sort(dim=-1, descending=True)
+            if use_top_k:
+                ks = torch.tensor(
+                    [p.top_k if 0 < p.top_k < vocab else vocab for p in ps], device=device
+                )
+                pos = torch.arange(vocab, device=device).unsqueeze(0)
+                probs = probs.masked_fill(pos >= ks.unsqueeze(1), 0.0)
+            if use_top_p:
+                # Over the top-k survivors, renormalised: keep the smallest
+                # prefix whose mass reaches top_p; the top token always stays.
+                top_ps = torch.tensor(
+                    [p.top_p if p.top_p < 1.0 else float("inf") for p in ps],
+                    dtype=torch.float32,
+                    device=device,
+                )
+                total = probs.sum(dim=-1, keepdim=True)
+                mass_before = (probs.cumsum(dim=-1) - probs) / total
+                probs = probs.masked_fill(mass_before >= top_ps.unsqueeze(1), 0.0)
+        if index_map is not None:
+            # Back to vocabulary order, so a row's draw does not depend on
+            # whether other rows in the batch needed sorting.
+            probs = torch.zeros_like(probs).scatter_(1, index_map, probs)
+        if use_min_p:
+            min_ps = torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=device)
+            thresh = probs.max(dim=-1, keepdim=True).values * min_ps.unsqueeze(1)
+            probs = probs.masked_fill(probs < thresh, 0.0)
+
+        out = torch.empty(len(rows), dtype=torch.long, device=device)
+        shared = [j for j, i in enumerate(rows) if generators[i] is None]
+        if shared:
+            sh = torch.tensor(shared, device=device)
+            out[sh] = torch.multinomial(probs.index_select(0, sh), 1).squeeze(1)
+        for j, i in enumerate(rows):
+            g = generators[i]
+            if g is not None:
+                out[j] = torch.multinomial(probs[j], 1, generator=g)[0]
+        return out
+
+    # ------------------------------------------------------------------ logprobs
+    @staticmethod
+    def _logprobs(
+        x: torch.Tensor,
+        params: list[SamplingParams],
+        rows: list[int],
+        tokens: torch.Tensor,
+        batch: int,
+    ) -> tuple[list[float | None], list[list[tuple[int, float]]]]:
+        device = x.device
+        ps = [params[i] for i in rows]
+        scale = [
+            1.0 if (p.is_greedy or p.return_unscaled_logprob) else float(p.temperature) for p in ps
+        ]
+        rows_t = torch.tensor(rows, device=device)
+        sub = x.index_select(0, rows_t)
+        if any(s != 1.0 for s in scale):
+            sub = sub / torch.tensor(scale, dtype=torch.float32, device=device).unsqueeze(1)
+        lp = torch.log_softmax(sub, dim=-1)
+        chosen = lp.gather(1, tokens.index_select(0, rows_t).unsqueeze(1)).squeeze(1).tolist()
+
+        logprobs: list[float | None] = [None] * batch
+        top: list[list[tuple[int, float]]] = [[] for _ in range(batch)]
+        for j, i in enumerate(rows):
+            logprobs[i] = chosen[j]
+        k_max = min(max(p.top_logprobs_num for p in ps), lp.shape[1])
+        if k_max > 0:
+            vals, idx = lp.topk(k_max, dim=-1, sorted=True)
+            vals, idx = vals.tolist(), idx.tolist()
+            for j, i in enumerate(rows):
+                k = min(ps[j].top_logprobs_num, k_max)
+                top[i] = list(zip(idx[j][:k], vals[j][:k], strict=True))
+        return logprobs, top

@@ -1,0 +1,114 @@
+"""Per-request sampling parameters and their validation.
+
+Every check raises ``ValueError`` naming the field and its bound before the
+request is scheduled, so a bad request changes nothing in the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+_GREEDY_EPS = 1e-6
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    temperature 0 means greedy. top_k -1 means the whole vocabulary. Logprobs,
+    when requested, come from the temperature-scaled distribution unless
+    ``return_unscaled_logprob`` is set (greedy requests are always unscaled).
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    return_unscaled_logprob: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> SamplingParams:
+        """Build from a user dict; unknown keys are an error naming the key."""
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"sampling_params: unknown field(s) {unknown}; known: {sorted(known)}")
+        if isinstance(d.get("stop"), str):
+            d["stop"] = [d["stop"]]
+        if d.get("stop") is None:
+            d.pop("stop", None)
+        if d.get("stop_token_ids") is None:
+            d.pop("stop_token_ids", None)
+        return cls(**d)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS or self.top_k == 1
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first field outside its bound."""
+        _check_int("max_new_tokens", self.max_new_tokens, lo=0)
+        _check_num("temperature", self.temperature, lo=0.0, bound="temperature must be >= 0")
+        _check_num("top_p", self.top_p, bound="top_p must be in (0, 1]")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, lo=-1)
+        if self.top_k == 0:
+            raise ValueError("top_k must be -1 (disabled) or >= 1, got 0")
+        _check_num("min_p", self.min_p, bound="min_p must be in [0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        _check_num("repetition_penalty", self.repetition_penalty, bound="repetition_penalty must be > 0")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_num(name, value, bound=f"{name} must be in [-2, 2]")
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, lo=0)
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop must not contain an empty string")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids
+        ):
+            raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+        if vocab_size is not None:
+            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+        for name in ("ignore_eos", "skip_special_tokens", "return_logprob", "return_unscaled_logprob"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        _check_int("top_logprobs_num", self.top_logprobs_num, lo=0)
+        if vocab_size is not None and self.top_logprobs_num > vocab_size:
+            raise ValueError(f"top_logprobs_num must be <= vocab size {vocab_size}, got {self.top_logprobs_num}")
+
+
+def _check_int(name: str, value, lo: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+
+
+def _check_num(name: str, value, lo: float | None = None, bound: str = "") -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{bound}, got {value}")

@@ -1,0 +1,361 @@
+"""The scheduler loop: ingest -> pick a batch (prefill if one can be admitted, else decode) -> run -> process.
+
+The scheduler owns all engine state and is driven from one thread. Other
+threads talk to it only through ``submit`` (a thread-safe inbox drained between
+steps); results leave through the ``on_output`` callback.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from radixray.engine.admission import (
+    RETRACT_DECODE_STEPS,
+    AddResult,
+    NewTokenRatio,
+    PrefillBudget,
+    new_request_need,
+    retraction_order,
+)
+from radixray.engine.config import EngineConfig
+from radixray.engine.forward_batch import ForwardBatch
+from radixray.engine.kv_manager import KVManager
+from radixray.engine.model_runner import ModelRunner
+from radixray.engine.policy import order_waiting
+from radixray.engine.radix_cache import RadixCache
+from radixray.engine.request import FinishReason, Req
+from radixray.engine.sampler import Sampler
+from radixray.engine.stats import SchedulerStats, log_decode, log_prefill
+from radixray.engine.stop import StopChecker
+
+logger = logging.getLogger("radixray.scheduler")
+
+OOM_ABORT_MESSAGE = ("Out of memory even after retracting all other requests: the KV pool cannot "
+                     "hold this request's next token; raise max_total_tokens or lower max_new_tokens")
+
+
+@dataclass
+class AbortCommand:
+    rid: str
+
+
+@dataclass
+class CallInLoop:
+    """Run ``fn(scheduler)`` on the scheduler thread between steps; the result goes to ``future``."""
+
+    fn: Callable[[Scheduler], object]
+    future: Future
+
+
+class Scheduler:
+    """Continuous batching over one ModelRunner."""
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner, stop_checker: StopChecker,
+                 on_output: Callable[[list[Req]], None]):
+        self.config = config
+        self.runner = runner
+        cache = RadixCache(runner.allocator, disable=config.disable_radix_cache,
+                           eviction_policy=config.radix_eviction_policy)
+        self.kv = KVManager(runner.allocator, runner.req_pool, cache)
+        self.sampler = Sampler(runner.vocab_size)
+        self.stop_checker = stop_checker
+        self.on_output = on_output
+        self.ratio = NewTokenRatio(config.schedule_conservativeness)
+        self.stats = SchedulerStats()
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.max_running = runner.max_running_requests
+        self.max_running_seen = 0  # peak number of requests decoding together (tests, logs)
+
+    # ---- ingest --------------------------------------------------------------------
+    def submit(self, item) -> None:
+        """Thread-safe: a list of Req to add, an AbortCommand or a CallInLoop."""
+        self.inbox.put(item)
+
+    def _ingest(self, block_s: float = 0.0) -> None:
+        try:
+            item = self.inbox.get(timeout=block_s) if block_s > 0 else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(item)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item) -> None:
+        if isinstance(item, list):
+            for req in item:
+                if req.sampling.seed is not None:
+                    req.generator = torch.Generator().manual_seed(req.sampling.seed)
+            self.waiting.extend(item)
+        elif isinstance(item, AbortCommand):
+            self.abort(item.rid, "aborted by request")
+        elif isinstance(item, CallInLoop):
+            try:
+                item.future.set_result(item.fn(self))
+            except Exception as exc:  # the caller sees it; the loop keeps serving
+                item.future.set_exception(exc)
+        else:
+            raise TypeError(f"unknown scheduler command {item!r}")
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req)
+
+    def run_forever(self, stop: Callable[[], bool]) -> None:
+        """Loop until ``stop()`` is true, sleeping on the inbox when idle."""
+        while not stop():
+            self._ingest(block_s=0.0 if self.has_work else 0.05)
+            if self.has_work:
+                self.step()
+
+    def run_until_idle(self) -> None:
+        """Drain the inbox and step until no request is left (in-process use and tests)."""
+        self._ingest()
+        while self.has_work:
+            self.step()
+            self._ingest()
+
+    # ---- one step ------------------------------------------------------------------
+    def step(self) -> None:
+        items = self._build_prefill()
+        if items:
+            self._run_prefill(items)
+        elif self.running:
+            self._run_decode()
+        if self.config.check_kv_conservation:
+            self.check_kv_conservation()
+
+    def token_usage(self) -> tuple[int, float]:
+        used = self.kv.pool_size - self.kv.available_tokens()
+        return used, used / self.kv.pool_size
+
+    def check_kv_conservation(self) -> None:
+        holders = self.running + ([self.chunked_req] if self.chunked_req else [])
+        self.kv.check_conservation(holders)
+
+    # ---- prefill -------------------------------------------------------------------
+    def _build_prefill(self) -> list[tuple[Req, int]]:
+        if not self.waiting and self.chunked_req is None:
+            return []
+        budget = PrefillBudget.start(self.kv.available_tokens(), self.running, self.ratio.value,
+                                     self.config.max_prefill_tokens, self.config.chunk_size)
+        if self.chunked_req is not None:
+            req = self.chunked_req
+            budget.add_chunk_continuation(req, req.seq_len - req.kv_len)
+        if budget.rem_chunk_tokens is not None and budget.rem_chunk_tokens <= 0:
+            return self._allocate(budget.added)
+        cache = self.kv.cache
+        ordered = order_waiting(self.waiting, self.config.schedule_policy,
+                                cache_disabled=cache.disabled,
+                                prefix_len=lambda r: len(self.kv.match(r).slots),
+                                priority_first=self.config.enable_priority_scheduling)
+        for req in ordered:
+            if len(self.running) + len(budget.added) >= self.max_running:
+                if not self._preempt_for(req, budget):
+                    break
+            match = self.kv.match(req)
+            extend_len = req.seq_len - len(match.slots)
+            result = budget.try_add(req, extend_len)
+            if result == AddResult.NO_TOKEN and self._preempt_for(req, budget, extend_len):
+                result = budget.try_add(req, extend_len)
+            if result == AddResult.NO_TOKEN and not self.running and not budget.added \
+                    and extend_len < self.kv.available_tokens():
+                # Nothing else runs, so the forecast can never improve: start it and let
+                # retraction or the out-of-memory abort handle growth past the pool.
+                result = budget.try_add(req, extend_len, force=True)
+            if result in (AddResult.NO_TOKEN, AddResult.OTHER):
+                break
+            if not self.kv.admit(req, match):
+                budget.added.pop()
+                break
+            if req.num_retractions == 0:
+                req.cached_tokens = len(match.slots)
+            if req.admit_time is None:
+                req.admit_time = time.perf_counter()
+            self.waiting.remove(req)
+            if result == AddResult.CHUNKED:
+                break
+        return self._allocate(budget.added)
+
+    def _allocate(self, added: list[tuple[Req, int]]) -> list[tuple[Req, int]]:
+        """Reserve KV slots for each admitted chunk; requests that find none go back to waiting."""
+        items = []
+        for req, n in added:
+            slots = self.kv.extend(req, n)
+            if slots is None:
+                logger.warning("KV allocation of %d tokens failed for %s; requeued", n, req.rid)
+                if req is self.chunked_req:
+                    self.chunked_req = None
+                self.kv.release(req)
+                self.waiting.insert(0, req)
+                continue
+            items.append((req, n, slots))
+        return items
+
+    def _run_prefill(self, items) -> None:
+        t0 = time.perf_counter()
+        batch = self.runner.build_extend_batch([(r, n) for r, n, _ in items], [s for _, _, s in items])
+        logits = self.runner.forward(batch)
+        new_reqs = [r for r, _, _ in items if r is not self.chunked_req]
+        cached = sum(r.kv_len for r, _, _ in items)
+        new_tokens = sum(n for _, n, _ in items)
+        self.stats.prefill_input_tokens += new_tokens
+        self.stats.prefill_cached_tokens += sum(r.kv_len for r in new_reqs)
+        self.stats.forward_steps += 1
+        self.chunked_req = None
+        done_rows, done_reqs = [], []
+        for i, (req, n, _) in enumerate(items):
+            req.kv_len += n
+            if req.kv_len < req.seq_len:
+                self.kv.cache_unfinished(req)
+                self.chunked_req = req
+                continue
+            done_rows.append(i)
+            done_reqs.append(req)
+        if done_reqs:
+            self._sample_and_process(logits[done_rows], done_reqs, prefill=True)
+        used, usage = self.token_usage()
+        log_prefill(len(new_reqs), new_tokens, cached, usage, len(self.running),
+                    len(self.waiting), time.perf_counter() - t0)
+
+    # ---- decode --------------------------------------------------------------------
+    def _run_decode(self) -> None:
+        if self.kv.available_tokens() < len(self.running):
+            self._retract_for_decode()
+            if not self.running:
+                return
+        else:
+            self.ratio.step()
+        reqs = self.running
+        slots = self.kv.extend_decode(reqs)
+        batch: ForwardBatch = self.runner.build_decode_batch(reqs, slots)
+        logits = self.runner.forward(batch)
+        self.stats.forward_steps += 1
+        self.stats.note_decode(len(reqs))
+        for r in reqs:
+            r.kv_len += 1
+        self._sample_and_process(logits, list(reqs), prefill=False)
+        if self.stats.decode_steps % self.config.decode_log_interval == 0:
+            used, usage = self.token_usage()
+            log_decode(len(self.running), used, usage, self.stats.take_gen_throughput(),
+                       len(self.waiting))
+
+    def _retract_for_decode(self) -> None:
+        """Free KV for the next decode step by sending requests back to the waiting queue."""
+        order = retraction_order(self.running)
+        retracted: list[Req] = []
+        while order and (not retracted or
+                         self.kv.available_tokens() < RETRACT_DECODE_STEPS * len(order)):
+            if len(order) == 1:
+                break
+            victim = order.pop(0)
+            self._retract(victim)
+            retracted.append(victim)
+        if order and self.kv.available_tokens() < len(order):
+            # Even alone the last request cannot grow: abort instead of retrying forever.
+            self._finish(order[0], FinishReason("abort", message=OOM_ABORT_MESSAGE))
+            self.on_output([order[0]])
+        old = self.ratio.value
+        self.ratio.reset_after_retraction(self.running)
+        logger.warning("KV cache pool is full. Retract requests. #retracted_reqs: %d, "
+                       "#new_token_ratio: %.4f -> %.4f", len(retracted), old, self.ratio.value)
+
+    def _retract(self, req: Req) -> None:
+        self.running.remove(req)
+        self.kv.release(req)
+        req.reset_for_retraction()
+        self.stats.num_retracted_reqs += 1
+        self.waiting.append(req)
+
+    def _preempt_for(self, req: Req, budget: PrefillBudget, extend_len: int | None = None) -> bool:
+        """Priority scheduling: retract lower-priority running requests so ``req`` can start."""
+        if not self.config.enable_priority_scheduling:
+            return False
+        threshold = self.config.priority_preemption_threshold
+        victims = sorted((r for r in self.running if r.priority + threshold < req.priority),
+                         key=lambda r: (r.priority, -r.arrival_time))
+        need_rows = len(self.running) + len(budget.added) >= self.max_running
+        freed_any = False
+        for victim in victims:
+            if not need_rows and extend_len is not None and \
+                    budget.rem_total_tokens >= new_request_need(extend_len, req):
+                break
+            before = self.kv.available_tokens()
+            self._retract(victim)
+            budget.rem_total_tokens += self.kv.available_tokens() - before
+            budget.rem_total_tokens += new_request_need(0, victim) * (
+                1.0 if victim.sampling.ignore_eos else self.ratio.value)
+            need_rows = False
+            freed_any = True
+        return freed_any
+
+    # ---- results -------------------------------------------------------------------
+    def _sample_and_process(self, logits: torch.Tensor, reqs: list[Req], prefill: bool) -> None:
+        now = time.perf_counter()
+        zero_budget = [r for r in reqs if r.remaining_new_tokens == 0]
+        for r in zero_budget:
+            self._finish(r, FinishReason("length", length=len(r.output_ids)))
+        if zero_budget:
+            keep = [i for i, r in enumerate(reqs) if not r.finished]
+            logits, reqs = logits[keep], [reqs[i] for i in keep]
+        if reqs:
+            out = self.sampler.sample(logits, [r.sampling for r in reqs],
+                                      [r.generator for r in reqs], [r.output_ids for r in reqs])
+            for i, (req, token) in enumerate(zip(reqs, out.token_ids)):
+                req.output_ids.append(token)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                if out.logprobs is not None and req.sampling.return_logprob:
+                    req.output_logprobs.append(out.logprobs[i])
+                    if out.top_logprobs is not None:
+                        req.output_top_logprobs.append(out.top_logprobs[i])
+                reason = self.stop_checker.check(req, self.runner.context_len)
+                if reason is not None:
+                    self._finish(req, reason)
+                elif prefill:
+                    self.running.append(req)
+            self.stats.generation_tokens += len(reqs)
+        if not prefill:
+            self.running = [r for r in self.running if not r.finished]
+        self.max_running_seen = max(self.max_running_seen, len(self.running))
+        self.on_output(zero_budget + reqs)
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        req.finish_reason = reason
+        req.finish_time = time.perf_counter()
+        self.kv.release(req)
+        if reason.type == "abort":
+            self.stats.num_aborted_reqs += 1
+        self.stats.num_finished_reqs += 1
+        self.stats.prompt_tokens += len(req.prompt_ids)
+        if req in self.running:
+            self.running.remove(req)
+
+    def abort(self, rid: str, message: str) -> bool:
+        """Abort a waiting, prefilling or running request; its KV returns to the pool or cache."""
+        for group in (self.waiting, self.running):
+            for req in group:
+                if req.rid == rid:
+                    if group is self.waiting:
+                        self.waiting.remove(req)
+                    self._finish(req, FinishReason("abort", message=message))
+                    self.on_output([req])
+                    return True
+        if self.chunked_req is not None and self.chunked_req.rid == rid:
+            req, self.chunked_req = self.chunked_req, None
+            self._finish(req, FinishReason("abort", message=message))
+            self.on_output([req])
+            return True
+        return False

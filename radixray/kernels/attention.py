@@ -1,0 +1,124 @@
+"""Paged-KV attention backends behind one interface, chosen by name at start-up.
+
+``torch`` is the reference implementation and runs anywhere. GPU backends
+(flashinfer, triton) register under their own names and import their libraries
+only when created, so importing this module never needs a GPU.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from radixray.engine.forward_batch import ForwardBatch, ForwardMode
+from radixray.engine.memory import KVPool
+
+
+class AttentionBackend(abc.ABC):
+    """Computes attention for one layer of a packed batch over a paged KV pool.
+
+    Contract: ``init_forward_metadata`` runs once per step before the first layer
+    and may store per-step index tensors in ``batch.attn_metadata``. ``forward``
+    writes the new keys/values of layer ``layer`` to ``batch.out_cache_loc`` and
+    returns the attention output ``[T, num_heads, head_dim]``.
+    """
+
+    name: str
+
+    def __init__(self, req_to_token: torch.Tensor, kv_pool: KVPool, scaling: float):
+        self.req_to_token = req_to_token
+        self.kv_pool = kv_pool
+        self.scaling = scaling
+
+    @abc.abstractmethod
+    def init_forward_metadata(self, batch: ForwardBatch) -> None: ...
+
+    @abc.abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                batch: ForwardBatch) -> torch.Tensor: ...
+
+
+class TorchAttention(AttentionBackend):
+    """Reference backend built on ``scaled_dot_product_attention``.
+
+    Decode gathers every request's keys/values into a padded ``[B, Lmax]`` block
+    (one gather per layer for the whole batch); extend runs one SDPA call per
+    request, reading its cached prefix through the request table.
+    """
+
+    name = "torch"
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if batch.mode is ForwardMode.DECODE:
+            max_len = max(batch.seq_lens)
+            idx = self.req_to_token[batch.req_rows, :max_len]
+            lens = torch.tensor(batch.seq_lens, dtype=torch.int64)
+            valid = torch.arange(max_len)[None, :] < lens[:, None]
+            # Padding points at reserved slot 0 and is masked out.
+            batch.attn_metadata["kv_indices"] = idx.masked_fill(~valid, 0)
+            batch.attn_metadata["kv_mask"] = None if bool(valid.all()) else valid[:, None, None, :]
+        else:
+            batch.attn_metadata["prefix_indices"] = [
+                self.req_to_token[row, :plen] if plen else None
+                for row, plen in zip(batch.req_rows.tolist(), batch.prefix_lens)
+            ]
+
+    def forward(self, q, k, v, layer, batch):
+        pool = self.kv_pool
+        pool.write(layer, batch.out_cache_loc, k, v)
+        if batch.mode is ForwardMode.DECODE:
+            return self._decode(q, layer, batch)
+        return self._extend(q, k, v, layer, batch)
+
+    def _decode(self, q, layer, batch):
+        meta = batch.attn_metadata
+        idx = meta["kv_indices"]
+        k_all = self.kv_pool.k_buffers[layer][idx].transpose(1, 2)  # [B, kvh, L, d]
+        v_all = self.kv_pool.v_buffers[layer][idx].transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2).to(k_all.dtype), k_all, v_all, attn_mask=meta["kv_mask"],
+            scale=self.scaling, enable_gqa=True,
+        )
+        return out.squeeze(2)
+
+    def _extend(self, q, k, v, layer, batch):
+        outs = []
+        start = 0
+        kb, vb = self.kv_pool.k_buffers[layer], self.kv_pool.v_buffers[layer]
+        for n, plen, prefix_idx in zip(batch.extend_lens, batch.prefix_lens,
+                                       batch.attn_metadata["prefix_indices"]):
+            qi = q[start:start + n].transpose(0, 1)  # [h, n, d]
+            ki = k[start:start + n].to(kb.dtype)
+            vi = v[start:start + n].to(vb.dtype)
+            if plen:
+                ki = torch.cat((kb[prefix_idx], ki))
+                vi = torch.cat((vb[prefix_idx], vi))
+                # Token i of the new run sees the whole prefix and new tokens 0..i.
+                mask = torch.ones(n, plen + n, dtype=torch.bool).tril(diagonal=plen)
+                out = F.scaled_dot_product_attention(
+                    qi.to(ki.dtype), ki.transpose(0, 1), vi.transpose(0, 1), attn_mask=mask,
+                    scale=self.scaling, enable_gqa=True)
+            else:
+                out = F.scaled_dot_product_attention(
+                    qi.to(ki.dtype), ki.transpose(0, 1), vi.transpose(0, 1), is_causal=True,
+                    scale=self.scaling, enable_gqa=True)
+            outs.append(out.transpose(0, 1))
+            start += n
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+ATTENTION_BACKENDS: dict[str, Callable[..., AttentionBackend]] = {
+    "torch": TorchAttention,
+}
+"""Name -> factory. A GPU backend registers a factory that imports its library lazily."""
+
+
+def create_attention_backend(name: str, req_to_token: torch.Tensor, kv_pool: KVPool,
+                             scaling: float) -> AttentionBackend:
+    """Build the backend registered under ``name`` (``torch`` on CPU)."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {sorted(ATTENTION_BACKENDS)}, got {name!r}")
+    return ATTENTION_BACKENDS[name](req_to_token, kv_pool, scaling)
