@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     off.add_argument("--context-len", type=int, default=128, help="prompt tokens per decode request")
     off.add_argument("--prefill-len", type=int, default=512)
     off.add_argument("--prefill-prompts", type=int, default=4)
+    off.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
     off.add_argument("--output", default=None, help="write results as JSON here")
     off.set_defaults(func=cmd_bench_offline)
 

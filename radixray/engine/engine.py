@@ -90,7 +90,14 @@ class Engine:
                 lps = req.output_logprobs[req.emitted:] if req.sampling.return_logprob else None
                 req.emitted = len(req.output_ids)
                 chunk = (new, lps, meta_info(req) if req.finished else None)
-                sub.loop.call_soon_threadsafe(sub.queue.put_nowait, chunk)
+                try:
+                    sub.loop.call_soon_threadsafe(sub.queue.put_nowait, chunk)
+                except RuntimeError:  # the reader's event loop is closed: nobody reads on
+                    with self._lock:
+                        self._subs.pop(req.rid, None)
+                    if not req.finished:
+                        self.scheduler.submit(AbortCommand(req.rid))
+                    continue
             if req.finished:
                 sub.done.set()
 
@@ -104,8 +111,7 @@ class Engine:
         """
         reqs, is_batch = build_requests(prompt, input_ids, sampling_params, self.tokenizer,
                                         self.limits, rid, priority)
-        subs = self._register(reqs)
-        self.scheduler.submit(reqs)
+        subs = self._submit(reqs)
         for sub in subs:
             sub.done.wait()
         results = [self._result(r) for r in reqs]
@@ -125,12 +131,10 @@ class Engine:
             raise ValueError("generate_stream takes one prompt")
         req = reqs[0]
         sub = _Subscriber(loop=asyncio.get_running_loop(), queue=asyncio.Queue())
-        with self._lock:
-            self._subs[req.rid] = sub
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids,
                                        skip_special_tokens=req.sampling.skip_special_tokens,
                                        stop=req.sampling.stop)
-        self.scheduler.submit([req])
+        self._submit([req], [sub])
         finished = False
         try:
             while not finished:
@@ -181,8 +185,15 @@ class Engine:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def shutdown(self) -> None:
-        self._stopping = True
+        """Stop the scheduler; requests still unfinished end with finish_reason abort."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True  # no request is submitted after this
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            # Nobody steps the scheduler any more: end what is left, so no caller waits forever.
+            self.scheduler.abort_all("engine shut down")
 
     def __enter__(self):
         return self
@@ -191,11 +202,21 @@ class Engine:
         self.shutdown()
 
     # ---- helpers ---------------------------------------------------------------------
-    def _register(self, reqs: list[Req]) -> list[_Subscriber]:
-        subs = [_Subscriber() for _ in reqs]
+    def _submit(self, reqs: list[Req], subs: list[_Subscriber] | None = None) -> list[_Subscriber]:
+        """Subscribe to each request's output and schedule it.
+
+        A rid still in use or a shut-down engine is an error, and nothing changes then.
+        """
+        subs = subs or [_Subscriber() for _ in reqs]
         with self._lock:
+            if self._stopping:
+                raise RuntimeError("the engine is shut down")
+            busy = [r.rid for r in reqs if r.rid in self._subs]
+            if busy:
+                raise ValueError(f"rid {busy[0]!r} is already in use by an unfinished request")
             for req, sub in zip(reqs, subs):
                 self._subs[req.rid] = sub
+            self.scheduler.submit(reqs)
         return subs
 
     def _result(self, req: Req) -> dict:

@@ -83,6 +83,9 @@ def build_requests(prompt, input_ids, sampling_params, tokenizer, limits: Limits
     for p in params:
         p.validate(limits.vocab_size)
     rids = _per_prompt(rid, n, "rid")
+    given = [r for r in rids if r is not None]
+    if len(set(given)) != len(given):
+        raise ValueError("rid must be unique per prompt: give a list of distinct ids for a batch")
     priorities = _per_prompt(priority, n, "priority")
     reqs = []
     for i, (p, sp) in enumerate(zip(prompts, params)):

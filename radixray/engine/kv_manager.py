@@ -46,6 +46,15 @@ class KVManager:
             slots = self.allocator.alloc(n)
         return slots
 
+    def lock_cost(self, match: MatchResult) -> int:
+        """Evictable cached tokens that locking ``match`` would take out of ``available_tokens``."""
+        cost, node = 0, match.last_node
+        while node is not None and node is not self.cache.root_node:
+            if node.lock_ref == 0:
+                cost += len(node)
+            node = node.parent
+        return cost
+
     def admit(self, req: Req, match: MatchResult) -> bool:
         """Give the request a table row and lock its matched prefix. False if no row is free."""
         row = self.req_pool.alloc()

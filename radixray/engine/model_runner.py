@@ -99,7 +99,7 @@ class ModelRunner:
             getattr(hf, "architectures", ["?"])[0], load_s, str(self.dtype).removeprefix("torch."),
             dtype_reason, hf.num_hidden_layers, hf.num_key_value_heads, head_dim)
         logger.info(
-            "KV cache: bytes_per_token=%d, max_total_num_tokens=%d (%.1f MB), chunked_prefill_size=%s, "
+            "KV cache: bytes_per_token=%d, max_total_num_tokens=%d, kv_cache_mb=%.1f, chunked_prefill_size=%s, "
             "max_prefill_tokens=%d, max_running_requests=%d, context_len=%d, dtype=%s, "
             "attention_backend=%s, device=%s, threads=%d",
             self.bytes_per_token, self.max_total_tokens,

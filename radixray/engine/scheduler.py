@@ -75,6 +75,8 @@ class Scheduler:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.max_running = runner.max_running_requests
         self.max_running_seen = 0  # peak number of requests decoding together (tests, logs)
+        # Optional observer called with the scheduler after every step (tests, tracing).
+        self.on_step: Callable[[Scheduler], None] | None = None
 
     # ---- ingest --------------------------------------------------------------------
     def submit(self, item) -> None:
@@ -133,9 +135,13 @@ class Scheduler:
         if items:
             self._run_prefill(items)
         elif self.running:
-            self._run_decode()
+            # A named range for profilers (bench offline); free when no profiler runs.
+            with torch.profiler.record_function("decode_step"):
+                self._run_decode()
         if self.config.check_kv_conservation:
             self.check_kv_conservation()
+        if self.on_step is not None:
+            self.on_step(self)
 
     def token_usage(self) -> tuple[int, float]:
         used = self.kv.pool_size - self.kv.available_tokens()
@@ -167,6 +173,9 @@ class Scheduler:
                     break
             match = self.kv.match(req)
             extend_len = req.seq_len - len(match.slots)
+            # Locking the matched prefix takes its evictable tokens out of the budget's
+            # available count, so they cannot also pay for this request's new tokens.
+            budget.rem_total_tokens -= self.kv.lock_cost(match)
             result = budget.try_add(req, extend_len)
             if result == AddResult.NO_TOKEN and self._preempt_for(req, budget, extend_len):
                 result = budget.try_add(req, extend_len)
@@ -289,8 +298,8 @@ class Scheduler:
         need_rows = len(self.running) + len(budget.added) >= self.max_running
         freed_any = False
         for victim in victims:
-            if not need_rows and extend_len is not None and \
-                    budget.rem_total_tokens >= new_request_need(extend_len, req):
+            if not need_rows and (extend_len is None or
+                                  budget.rem_total_tokens >= new_request_need(extend_len, req)):
                 break
             before = self.kv.available_tokens()
             self._retract(victim)
@@ -342,6 +351,13 @@ class Scheduler:
         self.stats.prompt_tokens += len(req.prompt_ids)
         if req in self.running:
             self.running.remove(req)
+
+    def abort_all(self, message: str) -> None:
+        """Abort every request, queued in the inbox ones included (the loop is not running)."""
+        self._ingest()
+        reqs = self.waiting + self.running + ([self.chunked_req] if self.chunked_req else [])
+        for req in reqs:
+            self.abort(req.rid, message)
 
     def abort(self, rid: str, message: str) -> bool:
         """Abort a waiting, prefilling or running request; its KV returns to the pool or cache."""

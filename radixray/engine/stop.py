@@ -6,7 +6,7 @@ stop token ids and EOS, then the max_new_tokens and context limits.
 
 from __future__ import annotations
 
-from radixray.engine.detokenizer import find_stop_string
+from radixray.engine.detokenizer import REPLACEMENT_CHAR, find_stop_string
 from radixray.engine.request import FinishReason, Req
 
 
@@ -24,10 +24,17 @@ class StopChecker:
             # A stop string of b UTF-8 bytes spans at most b tokens; one more token
             # of context covers a match that started inside the previous token.
             tail_tokens = max(len(s.encode()) for s in sp.stop) + 1
-            tail = self.tokenizer.decode(req.output_ids[-tail_tokens:],
-                                         skip_special_tokens=sp.skip_special_tokens)
-            last = self.tokenizer.decode([token], skip_special_tokens=sp.skip_special_tokens)
-            hit = find_stop_string(tail, sp.stop, search_from=max(0, len(tail) - len(last)))
+            window = req.output_ids[-tail_tokens:]
+            skip = sp.skip_special_tokens
+            tail = self.tokenizer.decode(window, skip_special_tokens=skip)
+            last = self.tokenizer.decode([token], skip_special_tokens=skip)
+            # Where the new text starts. A token decoded alone can lose its leading space
+            # (SentencePiece), so the text before it counts too; an incomplete character at
+            # its end is not text yet. The earlier of the two is safe: an earlier match would
+            # have stopped the request already.
+            before = self.tokenizer.decode(window[:-1], skip_special_tokens=skip)
+            new_from = min(len(tail) - len(last), len(before.rstrip(REPLACEMENT_CHAR)))
+            hit = find_stop_string(tail, sp.stop, search_from=max(0, new_from))
             if hit is not None:
                 return FinishReason("stop", matched=hit[1])
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):

@@ -1,0 +1,1 @@
+"""Benchmarks: offline engine throughput with roofline ratios (serving client comes later)."""

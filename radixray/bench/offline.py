@@ -1,0 +1,138 @@
+"""``radixray bench offline``: in-process decode and prefill speed against the machine's roofline.
+
+Decode at batch B: B requests with ``--context-len`` random prompt tokens
+decode ``--decode-steps`` tokens together (greedy, ignore_eos); the step time is
+the span from the last first token to the last finish, divided by the steps.
+Prefill: ``--prefill-prompts`` prompts of ``--prefill-len`` tokens, timed to
+their first tokens. Bandwidth and GEMM rate are measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+from radixray.bench.roofline import ModelCost, measure_gemm_flops, measure_read_bandwidth
+
+logger = logging.getLogger(__name__)
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def decode_step_seconds(engine, batch: int, ctx: int, steps: int, seed: int) -> float:
+    prompts = _prompts(batch, ctx, engine.limits.vocab_size, seed)
+    params = {"temperature": 0.0, "max_new_tokens": steps + 1, "ignore_eos": True}
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    first = max(o["meta_info"]["first_token_latency"] for o in outs)
+    last = max(o["meta_info"]["e2e_latency"] for o in outs)
+    engine.flush_cache()
+    return (last - first) / steps
+
+
+def prefill_tokens_per_second(engine, n: int, length: int, seed: int) -> float:
+    prompts = _prompts(n, length, engine.limits.vocab_size, seed)
+    t0 = time.perf_counter()
+    engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+    seconds = time.perf_counter() - t0
+    engine.flush_cache()
+    return n * length / seconds
+
+
+def python_overhead(engine, batch: int, ctx: int, steps: int = 8) -> dict:
+    """Per decode step under torch.profiler: wall time, time inside top-level aten ops, the rest.
+
+    The rest is Python, dispatch and scheduling work between ops; the profiler
+    adds a few microseconds per op to it, so it is an upper bound.
+    """
+    from torch.profiler import ProfilerActivity, profile
+    prompts = _prompts(batch, ctx, engine.limits.vocab_size, 99)
+    params = {"temperature": 0.0, "max_new_tokens": steps + 1, "ignore_eos": True}
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.generate(input_ids=prompts, sampling_params=params)
+    engine.flush_cache()
+    step_events = [e for e in prof.events() if e.name == "decode_step"]
+    wall = sum(e.cpu_time_total for e in step_events) / 1000 / len(step_events)
+    ops = [c for e in step_events for c in e.cpu_children if c.name.startswith("aten::")]
+    in_ops = sum(c.cpu_time_total for c in ops) / 1000 / len(step_events)
+    return {"batch": batch, "step_ms": wall, "aten_ms": in_ops, "other_ms": wall - in_ops,
+            "ops_per_step": len(ops) / len(step_events)}
+
+
+def run_offline_bench(args) -> dict:
+    from radixray import Engine
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    max_batch = max(batch_sizes)
+    pool = args.max_total_tokens or max(
+        max_batch * (args.context_len + args.decode_steps + 2), args.prefill_prompts * (args.prefill_len + 2)) + 64
+    engine = Engine(model=args.model, dtype=args.dtype, max_total_tokens=pool,
+                    chunked_prefill_size=args.chunked_prefill_size,
+                    max_running_requests=max(max_batch, args.max_running_requests or 0))
+    cost = ModelCost.of(engine.runner.model, engine.runner.bytes_per_token)
+    dtype = engine.runner.dtype
+    results: dict = {"model": args.model, "dtype": str(dtype).removeprefix("torch."),
+                     "threads": torch.get_num_threads(), "context_len": args.context_len,
+                     "decode_steps": args.decode_steps, "weight_bytes": cost.weight_bytes}
+    try:
+        with tqdm(total=3 + len(batch_sizes), desc="bench offline", unit="stage") as bar:
+            bw = measure_read_bandwidth()
+            gemm = measure_gemm_flops(dtype=dtype)
+            results.update(bandwidth_gbs=bw / 1e9, gemm_tflops=gemm / 1e12)
+            bar.update(1)
+            decode_step_seconds(engine, 1, args.context_len, 4, seed=0)  # warm-up
+            bar.update(1)
+            results["decode"] = []
+            for b in batch_sizes:
+                reps = [decode_step_seconds(engine, b, args.context_len, args.decode_steps, seed=r + 1)
+                        for r in range(args.repeats)]
+                step = statistics.median(reps)
+                floor = cost.decode_step_floor(b, args.context_len + args.decode_steps // 2, bw, gemm)
+                results["decode"].append({
+                    "batch": b, "step_ms": step * 1000, "tokens_per_s": b / step,
+                    "floor_ms": floor * 1000, "roofline_tokens_per_s": b / floor,
+                    "step_over_floor": step / floor, "fraction_of_roofline": floor / step})
+                bar.update(1)
+            tps = statistics.median(prefill_tokens_per_second(engine, args.prefill_prompts,
+                                                              args.prefill_len, seed=100 + r)
+                                    for r in range(args.repeats))
+            pf = cost.prefill_floor(args.prefill_prompts * args.prefill_len, args.prefill_len, gemm)
+            roof = args.prefill_prompts * args.prefill_len / pf
+            results["prefill"] = {"prompt_len": args.prefill_len, "prompts": args.prefill_prompts,
+                                  "tokens_per_s": tps, "roofline_tokens_per_s": roof,
+                                  "fraction_of_roofline": tps / roof}
+            bar.update(1)
+        results["overhead"] = [python_overhead(engine, b, args.context_len)
+                               for b in (1, max_batch)]
+    finally:
+        engine.shutdown()
+    print_report(results)
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+def print_report(r: dict) -> None:
+    print(f"\nmodel={r['model']} dtype={r['dtype']} threads={r['threads']} "
+          f"weights={r['weight_bytes'] / 1e6:.0f} MB")
+    print(f"machine: read bandwidth {r['bandwidth_gbs']:.1f} GB/s, GEMM {r['gemm_tflops'] * 1000:.0f} GFLOP/s")
+    print(f"{'batch':>5} {'step ms':>9} {'tok/s':>9} {'floor ms':>9} {'roof tok/s':>11} {'step/floor':>10} {'% roof':>7}")
+    for d in r["decode"]:
+        print(f"{d['batch']:>5} {d['step_ms']:>9.2f} {d['tokens_per_s']:>9.1f} {d['floor_ms']:>9.2f} "
+              f"{d['roofline_tokens_per_s']:>11.1f} {d['step_over_floor']:>10.2f} "
+              f"{100 * d['fraction_of_roofline']:>6.1f}%")
+    p = r["prefill"]
+    print(f"prefill {p['prompts']} x {p['prompt_len']} tokens: {p['tokens_per_s']:.0f} tok/s "
+          f"(roofline {p['roofline_tokens_per_s']:.0f}, {100 * p['fraction_of_roofline']:.1f}%)")
+    for o in r.get("overhead", []):
+        print(f"batch {o['batch']} under torch.profiler: step {o['step_ms']:.1f} ms = "
+              f"{o['aten_ms']:.1f} ms in {o['ops_per_step']:.0f} aten ops + {o['other_ms']:.1f} ms "
+              "Python/dispatch/scheduling")
