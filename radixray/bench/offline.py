@@ -56,12 +56,15 @@ def python_overhead(engine, batch: int, ctx: int, steps: int = 8) -> dict:
     from torch.profiler import ProfilerActivity, profile
     prompts = _prompts(batch, ctx, engine.limits.vocab_size, 99)
     params = {"temperature": 0.0, "max_new_tokens": steps + 1, "ignore_eos": True}
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        engine.generate(input_ids=prompts, sampling_params=params)
+    prof = profile(activities=[ProfilerActivity.CPU])
+    # The profiler must start and stop on the scheduler thread, where the steps run.
+    engine.call_in_loop(lambda _: prof.start())
+    engine.generate(input_ids=prompts, sampling_params=params)
+    engine.call_in_loop(lambda _: prof.stop())
     engine.flush_cache()
     step_events = [e for e in prof.events() if e.name == "decode_step"]
     wall = sum(e.cpu_time_total for e in step_events) / 1000 / len(step_events)
-    ops = [c for e in step_events for c in e.cpu_children if c.name.startswith("aten::")]
+    ops = [c for e in step_events for c in e.cpu_children if "::" in c.name]
     in_ops = sum(c.cpu_time_total for c in ops) / 1000 / len(step_events)
     return {"batch": batch, "step_ms": wall, "aten_ms": in_ops, "other_ms": wall - in_ops,
             "ops_per_step": len(ops) / len(step_events)}

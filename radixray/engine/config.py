@@ -28,7 +28,8 @@ class EngineConfig:
     priority_preemption_threshold: int = 10
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # auto | torch | cpu_paged
+    cpu_kernels: bool = True  # fused C++ kernels for fp32 on CPU (torch ops otherwise)
     decode_log_interval: int = 40
     num_threads: int | None = None  # torch intra-op threads (CPU); None keeps torch's default
     random_seed: int = 0

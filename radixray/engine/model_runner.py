@@ -14,6 +14,7 @@ from radixray.engine.memory import KVPool, ReqToTokenPool, TokenSlotAllocator, k
 from radixray.engine.models import model_class_for
 from radixray.engine.request import Req
 from radixray.kernels.attention import create_attention_backend
+from radixray.kernels.cpu_ops import CpuKernels
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,10 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         mem_before = available_memory_bytes(self.device)
-        self.model = model_class_for(hf)(hf, self.dtype, max_positions=self.context_len)
+        self.kernels = CpuKernels(enabled=config.cpu_kernels and not self.device.startswith("cuda")
+                                  and self.dtype == torch.float32)
+        self.model = model_class_for(hf)(hf, self.dtype, max_positions=self.context_len,
+                                         kernels=self.kernels)
         self.model.load_weights(source.weights())
         self.model.to(self.device).eval()
         load_s = time.perf_counter() - t0
@@ -101,11 +105,12 @@ class ModelRunner:
         logger.info(
             "KV cache: bytes_per_token=%d, max_total_num_tokens=%d, kv_cache_mb=%.1f, chunked_prefill_size=%s, "
             "max_prefill_tokens=%d, max_running_requests=%d, context_len=%d, dtype=%s, "
-            "attention_backend=%s, device=%s, threads=%d",
+            "attention_backend=%s, cpu_kernels=%s, device=%s, threads=%d",
             self.bytes_per_token, self.max_total_tokens,
             self.bytes_per_token * self.max_total_tokens / 2**20, config.chunk_size,
             config.max_prefill_tokens, self.max_running_requests, self.context_len,
-            str(self.dtype).removeprefix("torch."), self.attn_backend.name, self.device,
+            str(self.dtype).removeprefix("torch."), self.attn_backend.name, self.kernels.active,
+            self.device,
             torch.get_num_threads())
 
     # ---- batches ---------------------------------------------------------------------

@@ -110,15 +110,46 @@ class TorchAttention(AttentionBackend):
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
+class CpuPagedAttention(TorchAttention):
+    """Decode reads K/V straight from the paged pool with the fused C++ kernel; extend as torch."""
+
+    name = "cpu_paged"
+
+    def __init__(self, req_to_token, kv_pool, scaling):
+        super().__init__(req_to_token, kv_pool, scaling)
+        from radixray.kernels.cpu_ops import load_extension
+        self.ext = load_extension()
+        if self.ext is None:
+            raise RuntimeError("attention_backend=cpu_paged needs the radixray CPU kernels")
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if batch.mode is ForwardMode.DECODE:
+            max_len = max(batch.seq_lens)
+            batch.attn_metadata["kv_indices"] = self.req_to_token[batch.req_rows, :max_len]
+            batch.attn_metadata["seq_lens"] = torch.tensor(batch.seq_lens, dtype=torch.int64)
+        else:
+            super().init_forward_metadata(batch)
+
+    def _decode(self, q, layer, batch):
+        meta = batch.attn_metadata
+        return self.ext.paged_decode_attention(
+            q, self.kv_pool.k_buffers[layer], self.kv_pool.v_buffers[layer],
+            meta["kv_indices"], meta["seq_lens"], self.scaling)
+
+
 ATTENTION_BACKENDS: dict[str, Callable[..., AttentionBackend]] = {
     "torch": TorchAttention,
+    "cpu_paged": CpuPagedAttention,
 }
 """Name -> factory. A GPU backend registers a factory that imports its library lazily."""
 
 
 def create_attention_backend(name: str, req_to_token: torch.Tensor, kv_pool: KVPool,
                              scaling: float) -> AttentionBackend:
-    """Build the backend registered under ``name`` (``torch`` on CPU)."""
+    """Build the backend registered under ``name``; ``auto`` picks cpu_paged when its kernels load."""
+    if name == "auto":
+        from radixray.kernels.cpu_ops import load_extension
+        name = "cpu_paged" if kv_pool.dtype == torch.float32 and load_extension() else "torch"
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {sorted(ATTENTION_BACKENDS)}, got {name!r}")
     return ATTENTION_BACKENDS[name](req_to_token, kv_pool, scaling)

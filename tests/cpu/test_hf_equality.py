@@ -21,7 +21,8 @@ def random_prompts(vocab: int, seed: int = 1) -> list[list[int]]:
     return prompts
 
 
-def run_all_modes(model_dir: str, prompts: list[list[int]], hf_model, label: str) -> None:
+def run_all_modes(model_dir: str, prompts: list[list[int]], hf_model, label: str,
+                  **engine_options) -> None:
     refs = [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
     greedy = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 
@@ -30,7 +31,7 @@ def run_all_modes(model_dir: str, prompts: list[list[int]], hf_model, label: str
             assert_greedy_equal(out["output_ids"], ref, gaps, f"{label} {mode} prompt {i}")
 
     with Engine(model=model_dir, dtype="float32", max_total_tokens=8192,
-                check_kv_conservation=True) as eng:
+                check_kv_conservation=True, **engine_options) as eng:
         check([eng.generate(input_ids=p, sampling_params=greedy) for p in prompts], "alone")
         eng.flush_cache()
         check(eng.generate(input_ids=prompts, sampling_params=greedy), "batch")
@@ -40,17 +41,25 @@ def run_all_modes(model_dir: str, prompts: list[list[int]], hf_model, label: str
             assert out["meta_info"]["cached_tokens"] == len(p) - 1
         eng.check_kv_conservation()
     with Engine(model=model_dir, dtype="float32", max_total_tokens=8192, chunked_prefill_size=16,
-                check_kv_conservation=True) as eng:
+                check_kv_conservation=True, **engine_options) as eng:
         check(eng.generate(input_ids=prompts, sampling_params=greedy), "chunked-16")
         eng.check_kv_conservation()
 
 
+BACKENDS = {
+    "fused": {},  # C++ CPU kernels + cpu_paged attention (the default when they build)
+    "torch": {"cpu_kernels": False, "attention_backend": "torch"},  # the pure-torch reference path
+}
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_tiny_models_match_hf(kind, request):
+def test_tiny_models_match_hf(kind, backend, request):
     from transformers import AutoModelForCausalLM
     model_dir = request.getfixturevalue(f"tiny_{kind}_dir")
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    run_all_modes(model_dir, random_prompts(hf.config.vocab_size), hf, kind)
+    run_all_modes(model_dir, random_prompts(hf.config.vocab_size), hf, f"{kind}/{backend}",
+                  **BACKENDS[backend])
 
 
 SMOL_PROMPTS = [

@@ -36,7 +36,7 @@ def test_startup_log_states_limits(tiny_llama_dir, caplog, dtype, nbytes):
         assert "max_running_requests=7," in line
         assert f"context_len={cfg.max_position_embeddings}," in line
         assert f"dtype={dtype}," in line
-        assert "attention_backend=torch" in line
+        assert ("attention_backend=cpu_paged" if dtype == "float32" else "attention_backend=torch") in line
         assert eng.runner.kv_pool.k_buffers[0].shape == (1001, cfg.num_key_value_heads, head_dim)
 
 

@@ -5,20 +5,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from radixray.kernels.cpu_ops import CpuKernels
+
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in fp32, in the same order as Hugging Face's Llama norm."""
+    """Root-mean-square norm computed in fp32 (fused kernel when available)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, kernels: CpuKernels):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):

@@ -10,16 +10,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixray.engine.forward_batch import ForwardBatch, ForwardMode
 from radixray.engine.models.layers import RMSNorm, RotaryEmbedding, load_into_shard
+from radixray.kernels.cpu_ops import CpuKernels, reference_kernels
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_id: int, rotary: RotaryEmbedding):
+    def __init__(self, config, layer_id: int, rotary: RotaryEmbedding, kernels: CpuKernels):
         super().__init__()
+        self.kernels = kernels
         self.layer_id = layer_id
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -33,12 +34,12 @@ class LlamaAttention(nn.Module):
         # Qwen3 normalises each query and key head before rotation.
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels)
         self.attn = None  # set by the model runner: an AttentionBackend
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        qkv = self.kernels.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         n_qk = self.num_heads + self.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, n_qk, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
@@ -47,29 +48,31 @@ class LlamaAttention(nn.Module):
         qk = self.rotary(positions, qk)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         out = self.attn.forward(q, k, v, self.layer_id, batch)
-        return self.o_proj(out.reshape(-1, self.q_size).to(x.dtype))
+        return self.kernels.linear(out.reshape(-1, self.q_size).to(x.dtype), self.o_proj.weight)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, kernels: CpuKernels):
         super().__init__()
+        self.kernels = kernels
         self.inter = config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=bias)
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        return self.down_proj(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter:])
+        k = self.kernels
+        gate_up = k.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        return k.linear(k.silu_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, rotary: RotaryEmbedding):
+    def __init__(self, config, layer_id: int, rotary: RotaryEmbedding, kernels: CpuKernels):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_id, rotary)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.self_attn = LlamaAttention(config, layer_id, rotary, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.mlp = LlamaMLP(config, kernels)
 
     def forward(self, positions, x, batch):
         h = x + self.self_attn(positions, self.input_layernorm(x), batch)
@@ -79,16 +82,18 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Decoder over packed tokens; ``forward`` returns fp32 logits of each request's last new token."""
 
-    def __init__(self, config, dtype: torch.dtype = torch.float32, max_positions: int | None = None):
+    def __init__(self, config, dtype: torch.dtype = torch.float32, max_positions: int | None = None,
+                 kernels: CpuKernels | None = None):
         super().__init__()
         self.config = config
+        self.kernels = kernels = kernels or reference_kernels()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         max_positions = max_positions or config.max_position_embeddings
         self.rotary = RotaryEmbedding(config, head_dim, max_positions, dtype)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            LlamaDecoderLayer(config, i, self.rotary, kernels) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -107,7 +112,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x = layer(batch.positions, x, batch)
         last = x if batch.mode is ForwardMode.DECODE else x[batch.last_token_rows()]
-        return F.linear(self.norm(last), self.lm_head_weight).float()
+        return self.kernels.linear(self.norm(last), self.lm_head_weight).float()
 
     # ---- weight loading -------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,0 +1,110 @@
+"""Fused fp32 CPU kernels (C++ in csrc/cpu_ops.cpp) and their pure-torch references.
+
+The extension is compiled on first use with torch's cpp_extension (cached under
+~/.cache/torch_extensions, about a minute once per machine). Where it cannot be
+built (no compiler, no AVX2) or an input is not fp32 on the CPU, every op falls
+back to its reference, and the choice is logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+SMALL_M_MAX = 64  # up to this many rows the C++ linear beats the BLAS path here (docs/benchmarks.md)
+
+_ext = None
+_tried = False
+_lock = threading.Lock()
+
+
+def load_extension():
+    """The compiled module, or None if it cannot be built on this machine."""
+    global _ext, _tried
+    with _lock:
+        if _tried:
+            return _ext
+        _tried = True
+        if os.environ.get("RADIXRAY_DISABLE_CPU_KERNELS") == "1":
+            logger.info("CPU kernels disabled by RADIXRAY_DISABLE_CPU_KERNELS=1; using torch ops")
+            return None
+        if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512", "AVX512_BF16"):
+            logger.info("CPU kernels need AVX2; using torch ops")
+            return None
+        try:
+            from torch.utils.cpp_extension import load
+            src = os.path.join(os.path.dirname(__file__), "csrc", "cpu_ops.cpp")
+            logger.info("Loading radixray CPU kernels (compiled once per machine, ~1 min)")
+            load(name="radixray_cpu_ops", sources=[src],
+                 extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                 extra_ldflags=["-fopenmp"], verbose=False)
+            _ext = torch.ops.radixray
+        except Exception as exc:  # no compiler / headers: stay correct, just slower
+            logger.warning("radixray CPU kernels unavailable (%s); using torch ops", exc)
+            _ext = None
+        return _ext
+
+
+# ---- references -------------------------------------------------------------------------
+def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    a, b = gate_up.chunk(2, dim=-1)
+    return F.silu(a) * b
+
+
+def paged_decode_attention_ref(q, k_pool, v_pool, kv_indices, seq_lens, scale):
+    """q [B,H,D]; pools [S,KVH,D]; kv_indices [B,Lmax]; seq_lens [B] -> [B,H,D]."""
+    out = []
+    for b in range(q.shape[0]):
+        idx = kv_indices[b, : int(seq_lens[b])]
+        k = k_pool[idx].transpose(0, 1)
+        v = v_pool[idx].transpose(0, 1)
+        out.append(F.scaled_dot_product_attention(q[b][:, None], k, v, scale=scale,
+                                                  enable_gqa=True)[:, 0])
+    return torch.stack(out)
+
+
+# ---- dispatch ---------------------------------------------------------------------------
+class CpuKernels:
+    """The fused ops the model calls; each runs the C++ kernel when it applies, else torch."""
+
+    def __init__(self, enabled: bool):
+        self.ext = load_extension() if enabled else None
+
+    @property
+    def active(self) -> bool:
+        return self.ext is not None
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.ext is not None and x.shape[0] <= SMALL_M_MAX and x.dtype == torch.float32 \
+                and not x.is_cuda:
+            y = self.ext.linear_small_m(x, w)
+            return y + bias if bias is not None else y
+        return F.linear(x, w, bias)
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.ext is not None and x.dtype == torch.float32 and not x.is_cuda:
+            return self.ext.rms_norm(x, w, eps)
+        return rms_norm_ref(x, w, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.ext is not None and gate_up.dtype == torch.float32 and not gate_up.is_cuda:
+            return self.ext.silu_mul(gate_up)
+        return silu_mul_ref(gate_up)
+
+
+_REFERENCE = CpuKernels(enabled=False)
+
+
+def reference_kernels() -> CpuKernels:
+    return _REFERENCE

@@ -1,0 +1,68 @@
+"""Every fused CPU kernel against its pure-torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixray.kernels import cpu_ops
+
+ext = cpu_ops.load_extension()
+pytestmark = pytest.mark.skipif(ext is None, reason="radixray CPU kernels could not be built here")
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 33, 64])
+@pytest.mark.parametrize("n,k", [(1536, 576), (7, 64), (10, 20)])
+def test_linear_small_m(m, n, k):
+    torch.manual_seed(m * n + k)
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    torch.testing.assert_close(ext.linear_small_m(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_linear_dispatch_uses_blas_for_large_m_and_adds_bias():
+    kernels = cpu_ops.CpuKernels(enabled=True)
+    x, w, b = torch.randn(100, 32), torch.randn(24, 32), torch.randn(24)
+    torch.testing.assert_close(kernels.linear(x, w, b), F.linear(x, w, b))
+    torch.testing.assert_close(kernels.linear(x[:3], w, b), F.linear(x[:3], w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (7, 64), (130, 96), (3, 4, 32)])
+def test_rms_norm(shape):
+    x, w = torch.randn(shape) * 3, torch.randn(shape[-1])
+    torch.testing.assert_close(ext.rms_norm(x, w, 1e-5), cpu_ops.rms_norm_ref(x, w, 1e-5),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_silu_mul(rows):
+    g = torch.randn(rows, 2 * 160) * 4
+    torch.testing.assert_close(ext.silu_mul(g), cpu_ops.silu_mul_ref(g), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 16), (8, 2, 32)])
+def test_paged_decode_attention(heads, kv_heads, dim):
+    torch.manual_seed(heads)
+    pool = 200
+    kp, vp = torch.randn(pool + 1, kv_heads, dim), torch.randn(pool + 1, kv_heads, dim)
+    lens = torch.tensor([1, 17, 60, 5])
+    idx = torch.zeros(4, 60, dtype=torch.int64)
+    perm = torch.randperm(pool)[: int(lens.sum())] + 1  # scattered slots, never slot 0
+    start = 0
+    for b, n in enumerate(lens.tolist()):
+        idx[b, :n] = perm[start:start + n]
+        start += n
+    idx[0, 1:] = 999_999  # cells past seq_len are never read
+    q = torch.randn(4, heads, dim)
+    scale = dim ** -0.5
+    got = ext.paged_decode_attention(q, kp, vp, idx, lens, scale)
+    want = cpu_ops.paged_decode_attention_ref(q, kp, vp, idx, lens, scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_fallback_when_disabled():
+    kernels = cpu_ops.CpuKernels(enabled=False)
+    assert not kernels.active
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(kernels.rms_norm(x, torch.ones(8), 1e-6),
+                               cpu_ops.rms_norm_ref(x, torch.ones(8), 1e-6))
