@@ -34,12 +34,18 @@ def available_memory_bytes(device: str) -> int:
 
 
 def pick_dtype(name: str, device: str) -> tuple[torch.dtype, str]:
-    """Resolve ``auto``: bf16 on GPUs; on CPUs the dtype measured faster for decode here."""
+    """Resolve ``auto``: bf16 on GPUs, fp32 on CPUs.
+
+    Measured on the project's CPU machines (docs/benchmarks.md): bf16 decode is
+    several times slower than fp32 there (no native bf16 matmul on AVX2, and
+    small-M bf16 linears are slow even with AMX), and the fused CPU kernels are fp32.
+    """
     if name != "auto":
         return _DTYPES[name], "requested"
     if device.startswith("cuda"):
         return torch.bfloat16, "auto: GPU"
-    return torch.float32, "auto: fp32 decodes faster than bf16 on this CPU (docs/benchmarks.md)"
+    cap = torch.backends.cpu.get_cpu_capability()
+    return torch.float32, f"auto: fp32 is the faster decode dtype measured on CPU ({cap})"
 
 
 class ModelRunner:

@@ -35,9 +35,55 @@ void check_f32(const torch::Tensor& t, const char* name) {
 
 }  // namespace
 
-// y[M,N] = x[M,K] @ w[N,K]^T. Tuned for small M (decode): every thread streams
-// its share of W rows from memory once; each block of 4 W rows is applied to all
-// M input rows (2 at a time) while it sits in L1.
+// y[M,N] = x[M,K] @ w[N,K]^T for decode-sized M (the model uses BLAS above 64 rows).
+// Every thread streams its share of W rows from memory once.
+//
+// M >= 4: 4 input rows x 3 weight rows per register block (12 accumulators): for M >= 4
+// this is compute-bound, and the 3 W rows are reused from L1 across all M rows.
+void linear_4x3(const float* X, const float* W, float* Y, int64_t M, int64_t K, int64_t N) {
+  const int64_t blocks = N / 3;
+#pragma omp parallel for schedule(static)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t n0 = blk * 3;
+    const float* w0 = W + n0 * K;
+    const float* w1 = w0 + K;
+    const float* w2 = w1 + K;
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) {
+      const float* x0 = X + m * K;
+      const float* x1 = x0 + K;
+      const float* x2 = x1 + K;
+      const float* x3 = x2 + K;
+      __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
+      __m256 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
+      for (int64_t k = 0; k < K; k += 8) {
+        __m256 b0 = _mm256_loadu_ps(w0 + k), b1 = _mm256_loadu_ps(w1 + k), b2 = _mm256_loadu_ps(w2 + k);
+        __m256 a = _mm256_loadu_ps(x0 + k);
+        c00 = _mm256_fmadd_ps(a, b0, c00); c01 = _mm256_fmadd_ps(a, b1, c01); c02 = _mm256_fmadd_ps(a, b2, c02);
+        a = _mm256_loadu_ps(x1 + k);
+        c10 = _mm256_fmadd_ps(a, b0, c10); c11 = _mm256_fmadd_ps(a, b1, c11); c12 = _mm256_fmadd_ps(a, b2, c12);
+        a = _mm256_loadu_ps(x2 + k);
+        c20 = _mm256_fmadd_ps(a, b0, c20); c21 = _mm256_fmadd_ps(a, b1, c21); c22 = _mm256_fmadd_ps(a, b2, c22);
+        a = _mm256_loadu_ps(x3 + k);
+        c30 = _mm256_fmadd_ps(a, b0, c30); c31 = _mm256_fmadd_ps(a, b1, c31); c32 = _mm256_fmadd_ps(a, b2, c32);
+      }
+      float* y = Y + m * N + n0;
+      y[0] = hsum(c00); y[1] = hsum(c01); y[2] = hsum(c02); y += N;
+      y[0] = hsum(c10); y[1] = hsum(c11); y[2] = hsum(c12); y += N;
+      y[0] = hsum(c20); y[1] = hsum(c21); y[2] = hsum(c22); y += N;
+      y[0] = hsum(c30); y[1] = hsum(c31); y[2] = hsum(c32);
+    }
+    for (; m < M; ++m) {
+      const float* xm = X + m * K;
+      float* y = Y + m * N + n0;
+      y[0] = dot(xm, w0, K); y[1] = dot(xm, w1, K); y[2] = dot(xm, w2, K);
+    }
+  }
+  for (int64_t n = blocks * 3; n < N; ++n)
+    for (int64_t m = 0; m < M; ++m) Y[m * N + n] = dot(X + m * K, W + n * K, K);
+}
+
+// M < 4: each block of 4 W rows is applied to every input row (2 at a time) while in L1.
 torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor w) {
   check_f32(x, "x");
   check_f32(w, "w");
@@ -49,6 +95,11 @@ torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor w) {
   const float* X = x.data_ptr<float>();
   const float* W = w.data_ptr<float>();
   float* Y = y.data_ptr<float>();
+  if (M >= 4 && K % 8 == 0) {
+    linear_4x3(X, W, Y, M, K, N);
+    return y;
+  }
+  // M < 4: memory-bound; stream each block of 4 W rows once against every input row.
   const int64_t blocks = (N + 3) / 4;
 #pragma omp parallel for schedule(static)
   for (int64_t blk = 0; blk < blocks; ++blk) {
