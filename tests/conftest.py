@@ -22,6 +22,16 @@ def tiny_qwen3_dir(tmp_path_factory):
     return build_tiny_model("qwen3", str(tmp_path_factory.mktemp("tiny-qwen3")))
 
 
+@pytest.fixture(scope="module")
+def eng(tiny_llama_dir):
+    """An fp32 engine over the tiny Llama that checks KV conservation after every step."""
+    from radixray import Engine
+    with Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=8192,
+                check_kv_conservation=True) as engine:
+        yield engine
+        engine.check_kv_conservation()
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
     if torch.cuda.is_available():
