@@ -31,9 +31,6 @@ class KVManager:
         """Slots a new allocation can get: free now plus evictable cached prefixes."""
         return self.allocator.available_size() + self.cache.evictable_size()
 
-    def used_tokens(self) -> int:
-        return self.pool_size - self.allocator.available_size()
-
     def match(self, req: Req) -> MatchResult:
         """Cached prefix of the request's sequence, at most ``seq_len - 1`` tokens. Locks nothing."""
         return self.cache.match_prefix(req.all_ids[: req.seq_len - 1])

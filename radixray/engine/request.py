@@ -83,11 +83,6 @@ class Req:
         return self.kv_len - self.cache_locked_len
 
     @property
-    def is_prefilling(self) -> bool:
-        """True while some of the sequence (besides nothing) still lacks KV beyond one decode token."""
-        return self.seq_len - self.kv_len > 1 or not self.output_ids
-
-    @property
     def remaining_new_tokens(self) -> int:
         return max(0, self.sampling.max_new_tokens - len(self.output_ids))
 

@@ -152,7 +152,8 @@ class Scheduler:
         self.kv.check_conservation(holders)
 
     # ---- prefill -------------------------------------------------------------------
-    def _build_prefill(self) -> list[tuple[Req, int]]:
+    def _build_prefill(self) -> list[tuple[Req, int, torch.Tensor]]:
+        """Admit waiting requests (and continue a chunked one): (request, new tokens, their slots)."""
         if not self.waiting and self.chunked_req is None:
             return []
         budget = PrefillBudget.start(self.kv.available_tokens(), self.running, self.ratio.value,
@@ -198,7 +199,7 @@ class Scheduler:
                 break
         return self._allocate(budget.added)
 
-    def _allocate(self, added: list[tuple[Req, int]]) -> list[tuple[Req, int]]:
+    def _allocate(self, added: list[tuple[Req, int]]) -> list[tuple[Req, int, torch.Tensor]]:
         """Reserve KV slots for each admitted chunk; requests that find none go back to waiting."""
         items = []
         for req, n in added:
@@ -235,7 +236,7 @@ class Scheduler:
             done_reqs.append(req)
         if done_reqs:
             self._sample_and_process(logits[done_rows], done_reqs, prefill=True)
-        used, usage = self.token_usage()
+        _, usage = self.token_usage()
         log_prefill(len(new_reqs), new_tokens, cached, usage, len(self.running),
                     len(self.waiting), time.perf_counter() - t0)
 
