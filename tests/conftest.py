@@ -22,6 +22,12 @@ def tiny_qwen3_dir(tmp_path_factory):
     return build_tiny_model("qwen3", str(tmp_path_factory.mktemp("tiny-qwen3")))
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory):
+    from model_fixtures import build_tiny_model
+    return build_tiny_model("qwen2", str(tmp_path_factory.mktemp("tiny-qwen2")))
+
+
 @pytest.fixture(scope="module")
 def eng(tiny_llama_dir):
     """An fp32 engine over the tiny Llama that checks KV conservation after every step."""

@@ -26,7 +26,7 @@ def byte_bpe_tokenizer():
 
 def tiny_config(kind: str, vocab_size: int):
     """Small but non-trivial shapes: GQA, several layers; Qwen3 with head_dim != hidden/heads."""
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=160,
                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -37,6 +37,9 @@ def tiny_config(kind: str, vocab_size: int):
                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     if kind == "qwen3":
         return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if kind == "qwen2":  # q/k/v projections carry biases
+        return Qwen2Config(**common, tie_word_embeddings=False,
                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
     raise ValueError(kind)
 

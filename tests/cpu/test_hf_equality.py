@@ -53,7 +53,7 @@ BACKENDS = {
 
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_tiny_models_match_hf(kind, backend, request):
     from transformers import AutoModelForCausalLM
     model_dir = request.getfixturevalue(f"tiny_{kind}_dir")
