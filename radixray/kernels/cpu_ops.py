@@ -62,6 +62,15 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(a) * b
 
 
+def rotary_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding of ``x`` [T, heads, D] with [P, D] cos/sin tables."""
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * c + rotated * s
+
+
 def paged_decode_attention_ref(q, k_pool, v_pool, kv_indices, seq_lens, scale):
     """q [B,H,D]; pools [S,KVH,D]; kv_indices [B,Lmax]; seq_lens [B] -> [B,H,D]."""
     out = []
@@ -96,6 +105,13 @@ class CpuKernels:
         if self.ext is not None and x.dtype == torch.float32 and not x.is_cuda:
             return self.ext.rms_norm(x, w, eps)
         return rms_norm_ref(x, w, eps)
+
+    def rotary(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+        if self.ext is not None and x.dtype == torch.float32 and not x.is_cuda \
+                and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]:
+            return self.ext.rotary(x, positions, cos, sin)
+        return rotary_ref(x, positions, cos, sin)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.ext is not None and gate_up.dtype == torch.float32 and not gate_up.is_cuda:

@@ -66,3 +66,15 @@ def test_reference_fallback_when_disabled():
     x = torch.randn(2, 8)
     torch.testing.assert_close(kernels.rms_norm(x, torch.ones(8), 1e-6),
                                cpu_ops.rms_norm_ref(x, torch.ones(8), 1e-6))
+
+
+@pytest.mark.parametrize("tokens,heads,dim", [(1, 12, 64), (37, 6, 32), (5, 3, 16)])
+def test_rotary_on_a_strided_view(tokens, heads, dim):
+    torch.manual_seed(tokens)
+    fused = torch.randn(tokens, (heads + 2) * dim)  # rotary reads a view of the fused qkv output
+    x = fused[:, : heads * dim].view(tokens, heads, dim)
+    table = torch.randn(100, dim)
+    cos, sin = table.cos(), table.sin()
+    pos = torch.randint(0, 100, (tokens,))
+    torch.testing.assert_close(ext.rotary(x, pos, cos, sin), cpu_ops.rotary_ref(x, pos, cos, sin),
+                               rtol=1e-5, atol=1e-6)

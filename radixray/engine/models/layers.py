@@ -44,15 +44,10 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
-        self.half = head_dim // 2
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kernels: CpuKernels) -> torch.Tensor:
         """Rotate ``x`` of shape ``[T, heads, head_dim]`` by each token's position."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x[..., : self.half], x[..., self.half:]
-        rotated = torch.cat((-x2, x1), dim=-1)
-        return x * cos + rotated * sin
+        return kernels.rotary(x, positions, self.cos, self.sin)
 
 
 def load_into_shard(param: torch.Tensor, loaded: torch.Tensor, offset: int, size: int) -> None:

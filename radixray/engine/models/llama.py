@@ -45,7 +45,7 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads:])), 1)
-        qk = self.rotary(positions, qk)
+        qk = self.rotary(positions, qk, self.kernels)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         out = self.attn.forward(q, k, v, self.layer_id, batch)
         return self.kernels.linear(out.reshape(-1, self.q_size).to(x.dtype), self.o_proj.weight)

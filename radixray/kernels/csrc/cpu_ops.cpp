@@ -190,6 +190,43 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return y;
 }
 
+// Rotary embedding, rotate-half layout: out = x * cos + rotate_half(x) * sin, where
+// rotate_half(x) = [-x2, x1]. x is [T, n, D] with any row stride (a view into the
+// fused qkv output); cos/sin are [P, D] tables indexed by positions [T].
+torch::Tensor rotary(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
+  check_f32(x, "x");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rotary: x must be [T, n, D] with dense heads");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64, "rotary: positions must be int64");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "rotary: tables must be contiguous");
+  const int64_t T = x.size(0), NH = x.size(1), D = x.size(2), half = D / 2, row = x.stride(0);
+  auto out = torch::empty({T, NH, D}, x.options());
+  const float* X = x.data_ptr<float>();
+  const int64_t* P = positions.contiguous().data_ptr<int64_t>();
+  const float* C = cos.data_ptr<float>();
+  const float* S = sin.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+#pragma omp parallel for schedule(static) if (T > 16)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = C + P[t] * D;
+    const float* s = S + P[t] * D;
+    for (int64_t h = 0; h < NH; ++h) {
+      const float* xi = X + t * row + h * D;
+      float* o = O + (t * NH + h) * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = xi[i] * c[i];
+        const float b = -xi[i + half] * s[i];
+        o[i] = a + b;
+        const float a2 = xi[i + half] * c[i + half];
+        const float b2 = xi[i] * s[i + half];
+        o[i + half] = a2 + b2;
+      }
+    }
+  }
+  return out;
+}
+
 // Decode attention straight from the paged pool: q [B,H,D], pools [S,KVH,D],
 // kv_indices [B,Lmax] (slot of each context token), seq_lens [B].
 // Query head h reads kv head h / (H / KVH). No gathered copy of K or V is made.
@@ -261,6 +298,7 @@ TORCH_LIBRARY(radixray, m) {
   m.def("linear_small_m(Tensor x, Tensor w) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rotary(Tensor x, Tensor positions, Tensor cos, Tensor sin) -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor kv_indices, "
         "Tensor seq_lens, float scale) -> Tensor");
 }
@@ -269,6 +307,7 @@ TORCH_LIBRARY_IMPL(radixray, CPU, m) {
   m.impl("linear_small_m", &linear_small_m);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
+  m.impl("rotary", &rotary);
   m.impl("paged_decode_attention", &paged_decode_attention);
 }
 
