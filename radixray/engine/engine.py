@@ -66,7 +66,6 @@ class Engine:
         self.limits = Limits(self.runner.vocab_size, self.runner.context_len,
                              self.runner.max_total_tokens)
         self._subs: dict[str, _Subscriber] = {}
-        self._reqs: dict[str, Req] = {}
         self._lock = threading.Lock()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="radixray-scheduler", daemon=True)
