@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from radixray.engine.hugepages import empty_huge
+
 
 class TokenSlotAllocator:
     """Free list of KV slot indices ``1..size``.
@@ -93,8 +95,10 @@ class KVPool:
         shape = (size + 1, num_kv_heads, head_dim)
         # Slots are written before they are read; padding slot 0 must hold finite values
         # because masked attention still multiplies it by a zero weight.
-        self.k_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        alloc = (lambda: empty_huge(shape, dtype)) if str(device) == "cpu" else \
+            (lambda: torch.empty(shape, dtype=dtype, device=device))
+        self.k_buffers = [alloc() for _ in range(num_layers)]
+        self.v_buffers = [alloc() for _ in range(num_layers)]
         for buf in self.k_buffers + self.v_buffers:
             buf[0].zero_()
 

@@ -9,6 +9,7 @@ import torch
 
 from radixray.engine.config import EngineConfig
 from radixray.engine.forward_batch import ForwardBatch, ForwardMode
+from radixray.engine.hugepages import pack_parameters_into_huge_pages
 from radixray.engine.loader import ModelSource
 from radixray.engine.memory import KVPool, ReqToTokenPool, TokenSlotAllocator, kv_bytes_per_token
 from radixray.engine.models import model_class_for
@@ -74,6 +75,8 @@ class ModelRunner:
                                          kernels=self.kernels)
         self.model.load_weights(source.weights())
         self.model.to(self.device).eval()
+        if self.device == "cpu":
+            pack_parameters_into_huge_pages(self.model)
         load_s = time.perf_counter() - t0
 
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
