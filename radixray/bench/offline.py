@@ -48,7 +48,7 @@ def prefill_tokens_per_second(engine, n: int, length: int, seed: int) -> float:
 
 
 def python_overhead(engine, batch: int, ctx: int, steps: int = 8) -> dict:
-    """Per decode step under torch.profiler: wall time, time inside top-level aten ops, the rest.
+    """Per decode step under torch.profiler: wall time, time inside top-level ops (aten and ours), the rest.
 
     The rest is Python, dispatch and scheduling work between ops; the profiler
     adds a few microseconds per op to it, so it is an upper bound.

@@ -29,7 +29,7 @@ from radixray.engine.forward_batch import ForwardBatch
 from radixray.engine.kv_manager import KVManager
 from radixray.engine.model_runner import ModelRunner
 from radixray.engine.policy import order_waiting
-from radixray.engine.radix_cache import RadixCache
+from radixray.engine.radix_cache import MatchResult, RadixCache
 from radixray.engine.request import FinishReason, Req
 from radixray.engine.sampler import Sampler
 from radixray.engine.stats import SchedulerStats, log_decode, log_prefill
@@ -163,22 +163,31 @@ class Scheduler:
             budget.add_chunk_continuation(req, req.seq_len - req.kv_len)
         if budget.rem_chunk_tokens is not None and budget.rem_chunk_tokens <= 0:
             return self._allocate(budget.added)
-        cache = self.kv.cache
+        # lpm matches every waiting request to order them; reuse those matches below so a
+        # request is matched (and its nodes' hit counts bumped) once per turn. A preemption
+        # inserts into the tree, so matches taken before it are dropped.
+        matches: dict[int, MatchResult] = {}
+
+        def prefix_len(r: Req) -> int:
+            matches[id(r)] = self.kv.match(r)
+            return len(matches[id(r)].slots)
+
         ordered = order_waiting(self.waiting, self.config.schedule_policy,
-                                cache_disabled=cache.disabled,
-                                prefix_len=lambda r: len(self.kv.match(r).slots),
+                                cache_disabled=self.kv.cache.disabled, prefix_len=prefix_len,
                                 priority_first=self.config.enable_priority_scheduling)
         for req in ordered:
             if len(self.running) + len(budget.added) >= self.max_running:
                 if not self._preempt_for(req, budget):
                     break
-            match = self.kv.match(req)
+                matches.clear()
+            match = matches.pop(id(req), None) or self.kv.match(req)
             extend_len = req.seq_len - len(match.slots)
             # Locking the matched prefix takes its evictable tokens out of the budget's
             # available count, so they cannot also pay for this request's new tokens.
             budget.rem_total_tokens -= self.kv.lock_cost(match)
             result = budget.try_add(req, extend_len)
             if result == AddResult.NO_TOKEN and self._preempt_for(req, budget, extend_len):
+                matches.clear()
                 result = budget.try_add(req, extend_len)
             if result == AddResult.NO_TOKEN and not self.running and not budget.added \
                     and extend_len < self.kv.available_tokens():
