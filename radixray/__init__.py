@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "EngineConfig", "SamplingParams"]
+__all__ = ["Engine", "EngineConfig", "SamplingParams", "build_app"]
 
 
 def __getattr__(name: str):
@@ -17,4 +17,7 @@ def __getattr__(name: str):
     if name == "SamplingParams":
         from radixray.engine.sampling import SamplingParams
         return SamplingParams
+    if name == "build_app":
+        from radixray.cluster.builder import build_app
+        return build_app
     raise AttributeError(f"module 'radixray' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""The ``radixray`` command: generate (offline, in-process) and bench."""
+"""The ``radixray`` command: serve (HTTP on Ray Serve), generate (offline, in-process) and bench."""
 
 from __future__ import annotations
 
@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="radixray", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
+    from radixray.cluster import serve_cli
+    serve_cli.add_parser(sub)
+
     gen = sub.add_parser("generate", help="run one prompt in-process and print the answer")
     _engine_args(gen)
     src = gen.add_mutually_exclusive_group(required=True)
@@ -78,9 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     off.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
     off.add_argument("--output", default=None, help="write results as JSON here")
     off.set_defaults(func=cmd_bench_offline)
+    from radixray.bench import cache_experiment, naive_server, serve_client
+    serve_client.add_parser(bench_sub)
+    cache_experiment.add_parser(bench_sub)
+    naive_server.add_parser(bench_sub)
 
     args = parser.parse_args(argv)
-    _setup_logging(args.log_level)
+    _setup_logging(getattr(args, "log_level", None) or "info")
     return args.func(args)
 
 

@@ -20,8 +20,17 @@ def byte_bpe_tokenizer():
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(TINY_CORPUS, vocab_size=400, min_frequency=2,
                             special_tokens=["<|endoftext|>"], show_progress=False)
-    return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>",
-                                   clean_up_tokenization_spaces=False)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>",
+                                  clean_up_tokenization_spaces=False)
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    return tok
+
+
+# A plain-text chat format, so chat endpoints can be tested on the tiny models.
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 def tiny_config(kind: str, vocab_size: int):

@@ -1,1 +1,1 @@
-"""Benchmarks: offline engine throughput with roofline ratios (serving client comes later)."""
+"""Benchmarks: offline engine throughput, the serving client (bench serve, cache-experiment), the naive baseline server."""

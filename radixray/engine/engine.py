@@ -21,13 +21,51 @@ from radixray.engine.stop import StopChecker, eos_token_ids
 logger = logging.getLogger(__name__)
 
 
+class StepChannel:
+    """Carries one list of updates per scheduler step to an asyncio queue in another thread.
+
+    Several requests share a channel (one per serving client), so a step with
+    many running requests costs one hand-off instead of one per request. Each
+    update is a dict: ``rid``, ``ids`` (new output ids), ``logprobs`` /
+    ``top_logprobs`` when requested, and ``meta`` (see :func:`meta_info`) on the
+    request's last update.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
+        self.loop = loop
+        self.queue = queue
+
+    def push(self, updates: list[dict]) -> bool:
+        """Hand ``updates`` to the reader's loop; False when that loop is closed."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, updates)
+            return True
+        except RuntimeError:
+            return False
+
+
 @dataclass
 class _Subscriber:
-    """Where one request's progress goes: an event (blocking call) or an asyncio queue (stream)."""
+    """Where one request's progress goes: an event (blocking call), an asyncio queue
+    (one stream) or a shared StepChannel (serving)."""
 
     done: threading.Event = field(default_factory=threading.Event)
     loop: asyncio.AbstractEventLoop | None = None
     queue: asyncio.Queue | None = None
+    channel: StepChannel | None = None
+
+
+def take_update(req: Req) -> dict:
+    """The output ``req`` produced since its last update (and its meta_info once finished)."""
+    update: dict = {"rid": req.rid, "ids": req.output_ids[req.emitted:]}
+    if req.sampling.return_logprob:
+        update["logprobs"] = req.output_logprobs[req.emitted:]
+        if req.sampling.top_logprobs_num:
+            update["top_logprobs"] = req.output_top_logprobs[req.emitted:]
+    req.emitted = len(req.output_ids)
+    if req.finished:
+        update["meta"] = meta_info(req)
+    return update
 
 
 def meta_info(req: Req) -> dict:
@@ -80,25 +118,40 @@ class Engine:
 
     # ---- output path (scheduler thread) ----------------------------------------------
     def _on_output(self, reqs: list[Req]) -> None:
+        batches: dict[int, tuple[StepChannel, list[dict], list[Req]]] = {}
         for req in reqs:
             sub = self._subs.get(req.rid)
             if sub is None:
                 continue
+            if sub.channel is not None:
+                entry = batches.setdefault(id(sub.channel), (sub.channel, [], []))
+                entry[1].append(take_update(req))
+                entry[2].append(req)
+                if req.finished:
+                    with self._lock:
+                        self._subs.pop(req.rid, None)
+                continue
             if sub.queue is not None:
-                new = req.output_ids[req.emitted:]
-                lps = req.output_logprobs[req.emitted:] if req.sampling.return_logprob else None
-                req.emitted = len(req.output_ids)
-                chunk = (new, lps, meta_info(req) if req.finished else None)
+                chunk = take_update(req)
                 try:
                     sub.loop.call_soon_threadsafe(sub.queue.put_nowait, chunk)
                 except RuntimeError:  # the reader's event loop is closed: nobody reads on
-                    with self._lock:
-                        self._subs.pop(req.rid, None)
-                    if not req.finished:
-                        self.scheduler.submit(AbortCommand(req.rid))
+                    self._drop_readerless([req])
                     continue
             if req.finished:
                 sub.done.set()
+        for channel, updates, sent in batches.values():
+            if not channel.push(updates):
+                self._drop_readerless(sent)
+
+    def _drop_readerless(self, reqs: list[Req]) -> None:
+        """Nobody reads these requests' output any more: forget them and abort the unfinished."""
+        with self._lock:
+            for req in reqs:
+                self._subs.pop(req.rid, None)
+        for req in reqs:
+            if not req.finished:
+                self.scheduler.submit(AbortCommand(req.rid))
 
     # ---- public API ------------------------------------------------------------------
     def generate(self, prompt=None, sampling_params=None, input_ids=None, rid=None, priority=None):
@@ -137,22 +190,26 @@ class Engine:
         finished = False
         try:
             while not finished:
-                new, lps, meta = await sub.queue.get()
-                finished = meta is not None
-                text = detok.add_tokens(new)
+                update = await sub.queue.get()
+                finished = "meta" in update
+                text = detok.add_tokens(update["ids"])
                 if finished and not detok.stopped:
                     text += detok.finish()
-                chunk = {"text": text, "output_ids": new, "finished": finished}
-                if lps is not None:
-                    chunk["output_token_logprobs"] = lps
+                chunk = {"text": text, "output_ids": update["ids"], "finished": finished}
+                if "logprobs" in update:
+                    chunk["output_token_logprobs"] = update["logprobs"]
                 if finished:
-                    chunk["meta_info"] = meta
+                    chunk["meta_info"] = update["meta"]
                 yield chunk
         finally:
             with self._lock:
                 self._subs.pop(req.rid, None)
             if not finished:
                 self.scheduler.submit(AbortCommand(req.rid))
+
+    def submit_to_channel(self, reqs: list[Req], channel: StepChannel) -> None:
+        """Schedule already-validated requests whose output goes to ``channel`` (serving path)."""
+        self._submit(reqs, [_Subscriber(channel=channel) for _ in reqs])
 
     def abort(self, rid: str) -> None:
         """Abort a request by id; its KV returns to the pool or the cache."""

@@ -268,8 +268,8 @@ class Scheduler:
         self._sample_and_process(logits, list(reqs), prefill=False)
         if self.stats.decode_steps % self.config.decode_log_interval == 0:
             used, usage = self.token_usage()
-            log_decode(len(self.running), used, usage, self.stats.take_gen_throughput(),
-                       len(self.waiting))
+            self.stats.gen_throughput = self.stats.take_gen_throughput()
+            log_decode(len(self.running), used, usage, self.stats.gen_throughput, len(self.waiting))
 
     def _retract_for_decode(self) -> None:
         """Free KV for the next decode step by sending requests back to the waiting queue."""

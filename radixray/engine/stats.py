@@ -22,6 +22,7 @@ class SchedulerStats:
     num_finished_reqs: int = 0
     forward_steps: int = 0
     decode_steps: int = 0
+    gen_throughput: float = 0.0  # decode tokens/s over the last decode log interval
 
     def __post_init__(self):
         self._window_start = time.perf_counter()

@@ -1,0 +1,174 @@
+"""EngineWorker: one engine inside a Ray actor, speaking token ids only.
+
+The scheduler loop runs continuously on the engine's own thread. Serving
+clients (ingress replicas) open one *channel* each with :meth:`stream`, a Ray
+streaming generator that yields one message per scheduler step carrying the new
+tokens of all of that client's requests; requests enter with :meth:`submit`.
+When a channel's reader goes away (the generator is cancelled or its owner
+dies) every unfinished request of that channel is aborted, so its KV returns.
+
+Messages on a channel are either a list of updates (see
+``radixray.engine.engine.take_update``) or a control dict
+``{"control": "open" | "draining", ...}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import time
+from concurrent.futures import Future
+
+from radixray.cluster.errors import WorkerDraining
+from radixray.cluster.metrics import WorkerMetrics, scheduler_snapshot
+from radixray.engine.engine import Engine, StepChannel
+from radixray.engine.inputs import build_requests
+from radixray.engine.scheduler import CallInLoop
+
+logger = logging.getLogger("radixray.worker")
+
+WARMUP_PROMPT = "The capital city of France is"
+
+
+class EngineWorker:
+    """Wraps :class:`radixray.Engine` for serving. Use ``ray.remote(EngineWorker)``
+    (see :func:`worker_actor_class`) or call it directly in tests."""
+
+    def __init__(self, engine_options: dict, worker_id: str = "worker-0", warmup: bool = True,
+                 log_level: str = "INFO"):
+        logging.basicConfig(level=log_level.upper(), format="[%(asctime)s] %(message)s",
+                            datefmt="%Y-%m-%d %H:%M:%S")
+        options = dict(engine_options)
+        if not options.get("num_threads"):
+            # Ray pins OMP_NUM_THREADS to the actor's CPU count; the forward pass wants every core.
+            options["num_threads"] = len(os.sched_getaffinity(0))
+        self.worker_id = worker_id
+        self.engine = Engine(**options)
+        self.metrics = WorkerMetrics(worker_id)
+        self.draining = False
+        self._channels: dict[str, tuple[StepChannel, set[str]]] = {}
+        self.started_at = time.time()
+        if warmup:
+            t0 = time.perf_counter()
+            self.engine.generate(WARMUP_PROMPT, {"max_new_tokens": 1, "temperature": 0.0})
+            logger.info("worker %s warmed up in %.2f s", worker_id, time.perf_counter() - t0)
+        gc.collect()
+        gc.freeze()  # long-lived objects leave the collector's generations: no pauses scanning them
+        logger.info("worker %s ready", worker_id)
+
+    # ---- serving -----------------------------------------------------------------
+    async def stream(self, channel_id: str):
+        """Open channel ``channel_id`` and yield its messages until the reader goes away."""
+        queue: asyncio.Queue = asyncio.Queue()
+        channel = StepChannel(asyncio.get_running_loop(), queue)
+        rids: set[str] = set()
+        self._channels[channel_id] = (channel, rids)
+        try:
+            yield {"control": "open", "draining": self.draining, "worker_id": self.worker_id}
+            while True:
+                msg = await queue.get()
+                if msg is None:
+                    return
+                if isinstance(msg, list):
+                    self.metrics.observe(msg)
+                    for u in msg:
+                        if "meta" in u:
+                            rids.discard(u["rid"])
+                yield msg
+        finally:
+            self._channels.pop(channel_id, None)
+            for rid in list(rids):
+                self.engine.abort(rid)
+                self.metrics.forget(rid)
+            if rids:
+                logger.info("channel %s closed: aborted %d unfinished request(s)", channel_id,
+                            len(rids))
+
+    async def submit(self, channel_id: str, requests: list[dict]) -> None:
+        """Validate and schedule requests; output goes to channel ``channel_id``.
+
+        Each request dict has ``rid``, ``input_ids``, ``sampling_params`` (dict)
+        and optionally ``priority``. Raises ValueError naming the bad field (nothing
+        is scheduled then) or WorkerDraining.
+        """
+        if self.draining:
+            raise WorkerDraining(f"worker {self.worker_id} is draining and takes no new requests")
+        entry = self._channels.get(channel_id)
+        if entry is None:
+            raise RuntimeError(f"channel {channel_id!r} is not open; call stream() first")
+        reqs = []
+        for r in requests:
+            built, _ = build_requests(None, r["input_ids"], r.get("sampling_params"),
+                                      self.engine.tokenizer, self.engine.limits, r["rid"],
+                                      r.get("priority"))
+            reqs.extend(built)
+        channel, rids = entry
+        self.engine.submit_to_channel(reqs, channel)
+        rids.update(r.rid for r in reqs)
+
+    async def abort(self, rids: list[str]) -> None:
+        for rid in rids:
+            self.engine.abort(rid)
+
+    # ---- control -------------------------------------------------------------------
+    async def _in_loop(self, fn):
+        """Run ``fn(scheduler)`` between scheduler steps without blocking this actor's loop."""
+        future: Future = Future()
+        self.engine.scheduler.submit(CallInLoop(fn, future))
+        return await asyncio.wrap_future(future)
+
+    async def info(self) -> dict:
+        """Static facts the ingress needs: limits, model path, worker id."""
+        limits = self.engine.limits
+        return {"worker_id": self.worker_id, "model": self.engine.config.model,
+                "context_len": limits.context_len, "vocab_size": limits.vocab_size,
+                "max_total_tokens": limits.max_total_tokens, "draining": self.draining}
+
+    async def load(self) -> dict:
+        """Running / queued requests and KV usage now."""
+        snap = await self._in_loop(scheduler_snapshot)
+        snap["inflight"] = self.num_inflight()
+        return snap
+
+    def num_inflight(self) -> int:
+        return sum(len(rids) for _, rids in self._channels.values())
+
+    async def inflight_rids(self) -> list[str]:
+        return sorted(rid for _, rids in self._channels.values() for rid in rids)
+
+    async def drain(self) -> int:
+        """Stop taking requests; tell every channel; return how many are still in flight."""
+        if not self.draining:
+            self.draining = True
+            logger.info("worker %s draining: %d request(s) in flight", self.worker_id,
+                        self.num_inflight())
+            for channel, _ in self._channels.values():
+                channel.push({"control": "draining", "worker_id": self.worker_id})
+        return self.num_inflight()
+
+    async def flush_cache(self) -> bool:
+        return await self._in_loop(lambda s: s.kv.flush_cache())
+
+    async def check_kv_conservation(self) -> dict:
+        """Assert free + request-held + cache-held == pool size; return the numbers."""
+        def check(s) -> dict:
+            s.check_kv_conservation()
+            return {"free": s.kv.allocator.available_size(), "cached": s.kv.cache.total_size(),
+                    "pool": s.kv.pool_size, "running": len(s.running), "waiting": len(s.waiting)}
+        return await self._in_loop(check)
+
+    async def metric_families(self) -> list:
+        """This worker's Prometheus families (picklable) for the ingress's /metrics."""
+        snap = await self._in_loop(scheduler_snapshot)
+        return self.metrics.families(snap)
+
+    async def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def worker_actor_class():
+    """The Ray actor class (created lazily so importing this module needs no Ray)."""
+    import ray
+    return ray.remote(EngineWorker)

@@ -1,0 +1,1 @@
+"""Serving over Ray: ingress (Ray Serve + FastAPI), OpenAI/native APIs, config, metrics, builders."""

@@ -1,0 +1,132 @@
+"""The serving configuration: one pydantic schema for YAML files, ``build_app`` and the CLI.
+
+Errors name the field: ``ServeConfig.load("x.yaml")`` raises :class:`ConfigError`
+with lines like ``engine.chunked_prefill_size: Input should be a valid integer``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from radixray.engine.config import EngineConfig
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of bounds."""
+
+
+class EngineSection(BaseModel):
+    """Start-up options of each worker's engine (see radixray.engine.config.EngineConfig)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "default"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    mem_fraction_static: float = Field(0.3, gt=0, lt=1)
+    max_total_tokens: int | None = Field(None, ge=2)
+    chunked_prefill_size: int | None = 2048
+    max_prefill_tokens: int = Field(16384, ge=1)
+    max_running_requests: int | None = Field(None, ge=1)
+    context_length: int | None = Field(None, ge=2)
+    schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
+    schedule_conservativeness: float = Field(1.0, gt=0)
+    enable_priority_scheduling: bool = False
+    disable_radix_cache: bool = False
+    radix_eviction_policy: Literal["lru", "lfu"] = "lru"
+    attention_backend: str = "auto"
+    cpu_kernels: bool = True
+    num_threads: int | None = Field(None, ge=1)
+    decode_log_interval: int = Field(40, ge=1)
+    random_seed: int = 0
+    check_kv_conservation: bool = False
+
+    def engine_options(self) -> dict:
+        """Keyword arguments for radixray.Engine (every key is an EngineConfig field)."""
+        known = {f.name for f in fields(EngineConfig)}
+        return {k: v for k, v in self.model_dump().items() if k in known}
+
+
+class ServerSection(BaseModel):
+    """HTTP front, ingress replicas and worker placement."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    route_prefix: str = "/"
+    served_model_name: str | None = None  # default: "default" or the model folder's name
+    ingress_replicas: int = Field(1, ge=1)
+    ingress_num_cpus: float = Field(0.0, ge=0)
+    worker_num_cpus: float = Field(1.0, ge=0)
+    worker_num_gpus: float = Field(0.0, ge=0)
+    enable_cache_report: bool = True  # usage.prompt_tokens_details.cached_tokens in OpenAI replies
+    health_generates: bool = False  # /health runs a one-token generation like /health_generate
+    health_check_timeout_s: float = Field(20.0, gt=0)
+    warmup: bool = True
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class ServeConfig(BaseModel):
+    """Everything ``radixray serve`` / ``radixray.build_app`` needs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: EngineSection = Field(default_factory=EngineSection)
+    server: ServerSection = Field(default_factory=ServerSection)
+    app_name: str = "radixray"
+    namespace: str = "radixray"
+
+    @model_validator(mode="after")
+    def _fill_names(self) -> ServeConfig:
+        if self.server.served_model_name is None:
+            import os
+            model = self.engine.model
+            name = "default" if model in ("", "default") else os.path.basename(model.rstrip("/"))
+            self.server.served_model_name = name.removesuffix(".gguf")
+        return self
+
+    @classmethod
+    def parse(cls, data: dict | ServeConfig | None) -> ServeConfig:
+        """Validate a dict (e.g. from YAML or a Serve ``args`` block); raise ConfigError naming fields."""
+        if isinstance(data, ServeConfig):
+            return data
+        try:
+            return cls.model_validate(data or {})
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, "config")) from None
+
+    @classmethod
+    def load(cls, path: str, overrides: dict | None = None) -> ServeConfig:
+        """Read a YAML file, apply ``{"engine": {...}, "server": {...}}`` overrides, validate."""
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+        return cls.parse(merge(data, overrides or {}))
+
+    def worker_name(self, index: int = 0) -> str:
+        return f"{self.app_name}-worker-{index}"
+
+
+def merge(base: dict, extra: dict) -> dict:
+    """Deep-merge ``extra`` into a copy of ``base`` (mappings merge, other values replace)."""
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def format_validation_error(exc: ValidationError, what: str) -> str:
+    """One line per problem: ``dotted.field: message``."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or what
+        lines.append(f"{loc}: {err['msg']}")
+    return f"invalid {what}: " + "; ".join(lines)

@@ -1,0 +1,25 @@
+"""Errors that cross the worker/ingress boundary (they must pickle through Ray)."""
+
+from __future__ import annotations
+
+
+class WorkerDraining(RuntimeError):
+    """The worker finishes what it has and takes no new requests (HTTP 503)."""
+
+
+class WorkerUnavailable(RuntimeError):
+    """The worker cannot be reached (dead, not started, stream closed) (HTTP 503)."""
+
+
+def unwrap_ray_error(exc: BaseException) -> BaseException:
+    """The user-level exception inside a RayTaskError/RayActorError, or ``exc`` itself."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        return cause
+    try:
+        import ray.exceptions
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return exc
+    if isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+        return WorkerUnavailable(f"the engine worker is unavailable: {exc}")
+    return exc

@@ -1,0 +1,203 @@
+"""Text work of one ingress replica: tokenize, apply chat templates, check limits,
+start requests on a worker, and turn token updates back into text.
+
+Both HTTP APIs (``openai_serving``, ``native_serving``) sit on :class:`Frontend`;
+the worker only ever sees token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from radixray.cluster.errors import WorkerDraining, WorkerUnavailable
+from radixray.cluster.worker_client import WorkerClient
+from radixray.engine.detokenizer import IncrementalDetokenizer
+
+
+class ApiError(Exception):
+    """An error the client caused or must react to, rendered as an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code if self.code is not None else self.status}}
+
+
+def api_error_from(exc: BaseException) -> ApiError:
+    """Map an exception from validation or the worker to the HTTP error the client sees."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, ValueError):
+        return ApiError(400, str(exc))
+    if isinstance(exc, WorkerDraining):
+        return ApiError(503, "the server is draining and takes no new requests; retry elsewhere",
+                        type="service_unavailable", code="draining")
+    if isinstance(exc, WorkerUnavailable):
+        return ApiError(503, str(exc), type="service_unavailable", code="worker_unavailable")
+    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="internal_error")
+
+
+@dataclass
+class Choice:
+    """One running generation as text: feed it worker updates, read deltas."""
+
+    index: int
+    rid: str
+    prompt_ids: list[int]
+    detok: IncrementalDetokenizer
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list] = field(default_factory=list)
+    text: str = ""
+    meta: dict | None = None
+    error: str | None = None
+
+    def add(self, update: dict) -> str:
+        """Apply one update; return the new releasable text."""
+        if "error" in update:
+            self.error = update["error"]
+            return ""
+        ids = update["ids"]
+        self.output_ids.extend(ids)
+        self.logprobs.extend(update.get("logprobs", ()))
+        self.top_logprobs.extend(update.get("top_logprobs", ()))
+        delta = self.detok.add_tokens(ids)
+        if "meta" in update:
+            self.meta = update["meta"]
+            if not self.detok.stopped:
+                delta += self.detok.finish()
+        self.text += delta
+        return delta
+
+    @property
+    def finished(self) -> bool:
+        return self.meta is not None or self.error is not None
+
+
+class Frontend:
+    """Everything an HTTP handler needs from this ingress replica."""
+
+    def __init__(self, tokenizer, info: dict, served_model_name: str, client: WorkerClient,
+                 enable_cache_report: bool = True):
+        self.tokenizer = tokenizer
+        self.context_len = info["context_len"]
+        self.vocab_size = info["vocab_size"]
+        self.model_path = info["model"]
+        self.served_model_name = served_model_name
+        self.client = client
+        self.enable_cache_report = enable_cache_report
+        self.draining = False
+
+    # ---- validation ------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in (self.served_model_name, self.model_path):
+            raise ApiError(400, f"The model {name!r} does not exist; this server serves "
+                           f"{self.served_model_name!r} (see GET /v1/models)", param="model",
+                           code="model_not_found")
+
+    def check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> int:
+        """Check the prompt fits; return max_tokens (default: the rest of the context)."""
+        n, ctx = len(ids), self.context_len
+        if n == 0:
+            raise ApiError(400, f"{param} is empty: at least 1 token is required", param=param)
+        if n >= ctx:
+            raise ApiError(400, f"This model's maximum context length is {ctx} tokens; the "
+                           f"{param} has {n} tokens. Shorten it.", param=param,
+                           code="context_length_exceeded")
+        if max_tokens is None:
+            return ctx - n
+        if n + max_tokens > ctx:
+            raise ApiError(400, f"This model's maximum context length is {ctx} tokens; the "
+                           f"{param} has {n} tokens and max_tokens asks for {max_tokens} more. "
+                           f"Lower max_tokens to at most {ctx - n}.", param="max_tokens",
+                           code="context_length_exceeded")
+        return max_tokens
+
+    # ---- text work -------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ApiError(400, "this model has no chat template; use /v1/completions",
+                           param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as exc:  # template errors come from user-supplied message shapes
+            raise ApiError(400, f"the chat template rejected the messages: {exc}",
+                           param="messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    # ---- running -----------------------------------------------------------------------
+    async def start(self, prompts: list[list[int]], params: list[dict], priority=None,
+                    rids: list[str] | None = None) -> tuple[list[Choice], list[AsyncIterator]]:
+        """Submit one request per (prompt, params); raise ApiError if the worker refuses."""
+        if self.draining or self.client.draining:
+            raise api_error_from(WorkerDraining("draining"))
+        rids = rids or [uuid.uuid4().hex for _ in prompts]
+        requests = [{"rid": rid, "input_ids": ids, "sampling_params": sp, "priority": priority}
+                    for rid, ids, sp in zip(rids, prompts, params)]
+        try:
+            streams = await self.client.run(requests)
+        except Exception as exc:
+            raise api_error_from(exc) from None
+        choices = [Choice(i, rid, ids, IncrementalDetokenizer(
+            self.tokenizer, ids, skip_special_tokens=sp.get("skip_special_tokens", True),
+            stop=sp.get("stop") or ())) for i, (rid, ids, sp) in enumerate(zip(rids, prompts, params))]
+        return choices, streams
+
+    async def run_to_end(self, choices: list[Choice], streams: list[AsyncIterator]) -> None:
+        """Drive every choice to its end (non-streaming requests)."""
+        async def drain(choice: Choice, stream: AsyncIterator) -> None:
+            async for update in stream:
+                choice.add(update)
+        try:
+            await asyncio.gather(*(drain(c, s) for c, s in zip(choices, streams)))
+        finally:
+            await close_all(streams)
+
+    async def interleave(self, choices: list[Choice], streams: list[AsyncIterator]):
+        """Yield (choice, delta text, update) as updates arrive from any choice."""
+        if len(streams) == 1:
+            async for update in streams[0]:
+                yield choices[0], choices[0].add(update), update
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            async for update in streams[i]:
+                await queue.put((i, update))
+            await queue.put((i, None))
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
+        try:
+            remaining = len(streams)
+            while remaining:
+                i, update = await queue.get()
+                if update is None:
+                    remaining -= 1
+                    continue
+                yield choices[i], choices[i].add(update), update
+        finally:
+            for t in tasks:
+                t.cancel()
+            await close_all(streams)
+
+
+async def close_all(streams: list[AsyncIterator]) -> None:
+    """Close update iterators; an unfinished one aborts its request on the worker."""
+    for s in streams:
+        try:
+            await s.aclose()
+        except Exception:  # noqa: BLE001 - closing must not mask the original error
+            pass

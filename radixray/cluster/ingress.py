@@ -1,0 +1,202 @@
+"""The HTTP front: a Ray Serve deployment wrapping a FastAPI app (no `from __future__
+import annotations` here: FastAPI must see the real annotation objects).
+
+Routes: POST /v1/chat/completions, /v1/completions, /generate, /flush_cache;
+GET /v1/models, /metrics, /health, /health_generate, /ready. Every error is an
+OpenAI-style ``{"error": {...}}`` body; schema errors are 400 and name the field.
+"""
+
+
+import asyncio
+import gc
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from ray import serve
+
+from radixray.cluster import native_serving, openai_serving
+from radixray.cluster.config import ServeConfig
+from radixray.cluster.frontend import ApiError, Frontend, api_error_from
+from radixray.cluster.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+
+logger = logging.getLogger("radixray.ingress")
+
+app = FastAPI(title="radixray", description="OpenAI-compatible and native LLM serving")
+HEALTH_PROMPT = "The capital city of France is"
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for err in exc.errors():
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":
+            return f"Malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}", None
+        where = ".".join(loc) or "body"
+        param = param or where
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts) or "invalid request", param
+
+
+@app.exception_handler(RequestValidationError)
+async def _on_validation_error(request: Request, exc: RequestValidationError):
+    message, param = _validation_message(exc)
+    return JSONResponse(ApiError(400, message, param=param).body(), status_code=400)
+
+
+@app.exception_handler(ApiError)
+async def _on_api_error(request: Request, exc: ApiError):
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+@app.exception_handler(Exception)
+async def _on_unexpected(request: Request, exc: Exception):
+    logger.exception("unexpected error on %s", request.url.path)
+    err = api_error_from(exc)
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def _respond(result):
+    if isinstance(result, (dict, list)):
+        return JSONResponse(result)
+    return StreamingResponse(result, media_type="text/event-stream")
+
+
+@serve.ingress(app)
+class Ingress:
+    """One ingress replica: tokenizer + a channel to the engine worker."""
+
+    def __init__(self, config: dict):
+        import ray
+
+        from radixray.cluster.fleet import get_or_create_worker
+        from radixray.cluster.metrics import FleetCollector
+        from radixray.cluster.worker_client import WorkerClient
+        from radixray.engine.loader import resolve_model
+
+        self.cfg = ServeConfig.parse(config)
+        logging.basicConfig(level=self.cfg.server.log_level.upper(),
+                            format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+        self.worker = get_or_create_worker(self.cfg, 0)
+        info = ray.get(self.worker.info.remote())  # waits for the model to load
+        tokenizer = resolve_model(info["model"]).tokenizer
+        self.fe = Frontend(tokenizer, info, self.cfg.server.served_model_name,
+                           WorkerClient(self.worker, info["worker_id"]),
+                           enable_cache_report=self.cfg.server.enable_cache_report)
+        self.collector = FleetCollector()
+        from prometheus_client import CollectorRegistry
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self.collector)
+        self._ready = False
+        self._start_lock: asyncio.Lock | None = None
+
+    async def _ensure_ready(self) -> bool:
+        """Open the worker channel and warm the path up once (first call does the work)."""
+        if self._ready:
+            return True
+        if self._start_lock is None:
+            self._start_lock = asyncio.Lock()
+        async with self._start_lock:
+            if not self._ready:
+                t0 = time.perf_counter()
+                await self.fe.client.start()
+                if self.cfg.server.warmup:
+                    await self._generate_one(timeout=300)
+                gc.collect()
+                gc.freeze()
+                self._ready = True
+                logger.info("radixray ingress ready in %.2f s: model %r, context %d tokens",
+                            time.perf_counter() - t0, self.fe.served_model_name,
+                            self.fe.context_len)
+        return True
+
+    async def _generate_one(self, timeout: float) -> None:
+        """Generate one token end to end; the request is aborted if ``timeout`` hits."""
+        choices, streams = await self.fe.start([self.fe.encode(HEALTH_PROMPT)],
+                                               [{"max_new_tokens": 1, "temperature": 0.0}])
+        await asyncio.wait_for(self.fe.run_to_end(choices, streams), timeout)
+        if choices[0].error:
+            raise RuntimeError(choices[0].error)
+
+    def _serving(self) -> bool:
+        return self._ready and self.fe.client.alive and not self.fe.client.draining
+
+    # ---- APIs -----------------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest):
+        await self._ensure_ready()
+        return _respond(await openai_serving.chat_completion(self.fe, body))
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest):
+        await self._ensure_ready()
+        return _respond(await openai_serving.completion(self.fe, body))
+
+    @app.post("/generate")
+    async def generate(self, body: GenerateRequest):
+        await self._ensure_ready()
+        return _respond(await native_serving.generate(self.fe, body))
+
+    @app.get("/v1/models")
+    async def models(self):
+        return openai_serving.models_list(self.fe)
+
+    # ---- operations -----------------------------------------------------------------
+    @app.get("/ready")
+    async def ready(self):
+        try:
+            await asyncio.wait_for(self._ensure_ready(), 600)
+        except Exception as exc:  # noqa: BLE001 - not ready is an answer, not an error
+            return JSONResponse({"status": "starting", "detail": str(exc)}, status_code=503)
+        if not self._serving():
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ready"}
+
+    @app.get("/health")
+    async def health(self):
+        if not self._serving():
+            return Response(status_code=503)
+        if self.cfg.server.health_generates:
+            return await self.health_generate()
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate(self):
+        if not self._serving():
+            return Response(status_code=503)
+        try:
+            await self._generate_one(self.cfg.server.health_check_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a failed probe is a 503, and its request is gone
+            logger.warning("health_generate failed: %s", exc or type(exc).__name__)
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.post("/flush_cache")
+    async def flush_cache(self):
+        ok = await self.worker.flush_cache.remote()
+        if ok:
+            return PlainTextResponse("Cache flushed.\n")
+        return PlainTextResponse("Cache not flushed: requests are running.\n", status_code=400)
+
+    @app.get("/metrics")
+    async def metrics(self):
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        families = await self.worker.metric_families.remote()
+        self.collector.update([families])
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/debug/kv_conservation")
+    async def kv_conservation(self):
+        """Assert the worker's KV slot invariant now; returns the slot counts."""
+        return await self.worker.check_kv_conservation.remote()
+
+
+def ingress_deployment(cfg: ServeConfig):
+    """The Serve deployment for ``cfg`` (replicas and CPUs from cfg.server)."""
+    return serve.deployment(Ingress, name="Ingress").options(
+        num_replicas=cfg.server.ingress_replicas,
+        ray_actor_options={"num_cpus": cfg.server.ingress_num_cpus},
+        max_ongoing_requests=4096,
+    )

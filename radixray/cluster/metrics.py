@@ -1,0 +1,146 @@
+"""Prometheus series (prefix ``radixray:``).
+
+Worker side: :class:`WorkerMetrics` keeps one registry per EngineWorker. Request
+histograms are observed as updates leave the worker; scheduler counters and
+gauges are read from a snapshot of the scheduler at scrape time. Every series
+carries a ``worker`` label.
+
+Ingress side: ``GET /metrics`` asks every worker for its families
+(:meth:`WorkerMetrics.families`, plain picklable objects), hands them to
+:class:`FleetCollector`, and renders one page that merges families of the same
+name across workers.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+PREFIX = "radixray:"
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2, 4, 8, 15, 30, 60, 120, 300)
+ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2, 5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
+
+
+def scheduler_snapshot(scheduler) -> dict:
+    """Counters and gauges of one scheduler; call on the scheduler thread (CallInLoop)."""
+    st = scheduler.stats
+    _, usage = scheduler.token_usage()
+    return {
+        "num_running_reqs": len(scheduler.running),
+        "num_queue_reqs": len(scheduler.waiting),
+        "token_usage": usage,
+        "gen_throughput": st.gen_throughput if scheduler.running else 0.0,
+        "prompt_tokens": st.prompt_tokens,
+        "generation_tokens": st.generation_tokens,
+        "prefill_input_tokens": st.prefill_input_tokens,
+        "prefill_cached_tokens": st.prefill_cached_tokens,
+        "num_retracted_reqs": st.num_retracted_reqs,
+        "num_aborted_reqs": st.num_aborted_reqs,
+    }
+
+
+class WorkerMetrics:
+    """One worker's series: request histograms plus scheduler counters/gauges."""
+
+    def __init__(self, worker_id: str):
+        self.worker_id = worker_id
+        self.registry = CollectorRegistry(auto_describe=True)
+        lab = ["worker"]
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time from arrival at the "
+                              "worker to the first output token.", lab, buckets=TTFT_BUCKETS,
+                              registry=self.registry).labels(worker_id)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Gap between two consecutive "
+                             "output updates of one request (an update can carry several tokens).",
+                             lab, buckets=ITL_BUCKETS, registry=self.registry).labels(worker_id)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Time from arrival to finish.",
+                             lab, buckets=E2E_BUCKETS, registry=self.registry).labels(worker_id)
+        self.queue_time = Histogram(PREFIX + "queue_time_seconds", "Time from arrival to the first "
+                                    "admission into a prefill batch.", lab, buckets=TTFT_BUCKETS,
+                                    registry=self.registry).labels(worker_id)
+        self.requests = Counter(PREFIX + "requests", "Finished requests by finish reason.",
+                                ["worker", "finish_reason"], registry=self.registry)
+        self._last_update: dict[str, float] = {}
+
+    def observe(self, updates: list[dict]) -> None:
+        """Record one step's updates (the dicts of engine.take_update)."""
+        now = time.perf_counter()
+        last = self._last_update
+        for u in updates:
+            rid = u["rid"]
+            prev = last.get(rid)
+            if prev is not None and u["ids"]:
+                self.itl.observe(now - prev)
+            meta = u.get("meta")
+            if meta is None:
+                if u["ids"]:
+                    last[rid] = now
+                continue
+            last.pop(rid, None)
+            for field, hist in (("first_token_latency", self.ttft), ("e2e_latency", self.e2e),
+                                ("queue_time", self.queue_time)):
+                if meta.get(field) is not None:
+                    hist.observe(meta[field])
+            reason = (meta.get("finish_reason") or {}).get("type", "unknown")
+            self.requests.labels(self.worker_id, reason).inc()
+
+    def forget(self, rid: str) -> None:
+        self._last_update.pop(rid, None)
+
+    def families(self, snapshot: dict) -> list[Metric]:
+        """Every family of this worker, scheduler series taken from ``snapshot``."""
+        w = [self.worker_id]
+        out: list[Metric] = list(self.registry.collect())
+        for name, doc in (("num_running_reqs", "Requests in the running (decode) batch."),
+                          ("num_queue_reqs", "Requests waiting for admission."),
+                          ("token_usage", "Share of the KV pool in use (requests + cache)."),
+                          ("gen_throughput", "Decode tokens per second over the last log interval.")):
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["worker"])
+            g.add_metric(w, float(snapshot[name]))
+            out.append(g)
+        for name, key, doc in (
+                ("prompt_tokens", "prompt_tokens", "Prompt tokens of requests."),
+                ("generation_tokens", "generation_tokens", "Generated tokens."),
+                ("num_retracted_reqs", "num_retracted_reqs", "Requests retracted to free KV."),
+                ("num_aborted_reqs", "num_aborted_reqs", "Requests aborted.")):
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["worker"])
+            c.add_metric(w, float(snapshot[key]))
+            out.append(c)
+        eff = CounterMetricFamily(
+            PREFIX + "prefill_effective_tokens", "Prefill tokens by where their KV came from: "
+            "input = computed, device_hit = reused from the radix cache. Hit rate = "
+            "rate(device_hit) / rate(input + device_hit).", labels=["worker", "mode"])
+        eff.add_metric(w + ["input"], float(snapshot["prefill_input_tokens"]))
+        eff.add_metric(w + ["device_hit"], float(snapshot["prefill_cached_tokens"]))
+        out.append(eff)
+        return out
+
+
+class FleetCollector:
+    """A prometheus collector that yields the latest families fetched from the workers,
+    merging families of the same name (their samples carry distinct worker labels)."""
+
+    def __init__(self):
+        self._families: list[list[Metric]] = []
+
+    def update(self, per_worker: list[list[Metric]]) -> None:
+        self._families = per_worker
+
+    def collect(self):
+        merged: dict[str, Metric] = {}
+        for families in self._families:
+            for fam in families:
+                have = merged.get(fam.name)
+                if have is None:
+                    copy = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                    copy.samples = list(fam.samples)
+                    merged[fam.name] = copy
+                else:
+                    have.samples.extend(fam.samples)
+        yield from merged.values()
+
+    def describe(self):
+        return []

@@ -1,0 +1,94 @@
+"""Native POST /generate: text or input_ids in, text + output_ids + meta_info out.
+
+Streaming sends SSE events whose ``text`` and ``output_ids`` hold everything
+generated so far (not deltas), ending with ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from radixray.cluster.frontend import ApiError, Choice, Frontend
+from radixray.cluster.openai_serving import SSE_DONE, sse
+from radixray.cluster.protocol import GenerateRequest
+from radixray.engine.inputs import to_sampling_params
+
+WEIGHT_VERSION = "default"
+
+
+def _prompts(fe: Frontend, req: GenerateRequest) -> tuple[list[list[int]], bool]:
+    if (req.text is None) == (req.input_ids is None):
+        raise ApiError(400, "give exactly one of text or input_ids", param="text")
+    if req.text is not None:
+        texts = [req.text] if isinstance(req.text, str) else req.text
+        if not texts:
+            raise ApiError(400, "text must not be an empty list", param="text")
+        return [fe.encode(t) if t else [] for t in texts], not isinstance(req.text, str)
+    ids = req.input_ids
+    if ids and isinstance(ids[0], list):
+        return [list(x) for x in ids], True
+    return [list(ids)], False
+
+
+def _params(req: GenerateRequest, n: int) -> list[dict]:
+    raw = req.sampling_params or {}
+    try:
+        sp = to_sampling_params(raw)  # unknown keys and bad values fail here, naming the field
+        sp.validate()
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="sampling_params") from None
+    params = dict(raw)
+    if req.return_logprob:
+        params["return_logprob"] = True
+        params["top_logprobs_num"] = req.top_logprobs_num
+    return [dict(params) for _ in range(n)]
+
+
+def _meta(fe: Frontend, c: Choice, with_logprobs: bool) -> dict:
+    meta = dict(c.meta) if c.meta else {"id": c.rid, "finish_reason": None,
+                                         "prompt_tokens": len(c.prompt_ids),
+                                         "completion_tokens": len(c.output_ids)}
+    meta["weight_version"] = WEIGHT_VERSION
+    if with_logprobs:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.output_ids)]
+        if c.top_logprobs:
+            meta["output_top_logprobs"] = [[[v, t, None] for t, v in top] for top in c.top_logprobs]
+    return meta
+
+
+def _result(fe: Frontend, c: Choice, with_logprobs: bool) -> dict:
+    return {"text": c.text, "output_ids": list(c.output_ids), "meta_info": _meta(fe, c, with_logprobs)}
+
+
+async def generate(fe: Frontend, req: GenerateRequest):
+    prompts, is_batch = _prompts(fe, req)
+    params = _params(req, len(prompts))
+    for ids, sp in zip(prompts, params):
+        param = "input_ids" if req.input_ids is not None else "text"
+        sp["max_new_tokens"] = fe.check_prompt(ids, sp.get("max_new_tokens", 128), param)
+    if req.stream and is_batch:
+        raise ApiError(400, "stream=true takes one prompt", param="stream")
+    rids = None
+    if req.rid is not None:
+        if is_batch:
+            raise ApiError(400, "rid is only accepted with a single prompt", param="rid")
+        rids = [req.rid]
+    choices, streams = await fe.start(prompts, params, priority=req.priority, rids=rids)
+    if req.stream:
+        return _stream(fe, req, choices, streams)
+    await fe.run_to_end(choices, streams)
+    failed = next((c for c in choices if c.error), None)
+    if failed:
+        raise ApiError(500, failed.error, type="server_error")
+    results = [_result(fe, c, req.return_logprob) for c in choices]
+    return results if is_batch else results[0]
+
+
+async def _stream(fe: Frontend, req: GenerateRequest, choices, streams) -> AsyncIterator[str]:
+    async for c, delta, _ in fe.interleave(choices, streams):
+        if c.error:
+            yield sse({"error": {"message": c.error, "type": "server_error", "code": 500}})
+            continue
+        if delta or c.meta is not None:
+            yield sse(_result(fe, c, req.return_logprob))
+    yield SSE_DONE

@@ -1,0 +1,214 @@
+"""OpenAI-compatible /v1/completions and /v1/chat/completions on top of a Frontend.
+
+Non-streaming handlers return a dict; streaming handlers return an async
+iterator of SSE lines (``data: {...}\\n\\n`` ... ``data: [DONE]\\n\\n``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+from radixray.cluster.frontend import ApiError, Choice, Frontend
+from radixray.cluster.protocol import ChatCompletionRequest, CompletionRequest
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def finish_reason(choice: Choice) -> str | None:
+    """OpenAI finish_reason: stop | length | abort (engine aborts, e.g. out of memory)."""
+    if choice.meta is None:
+        return None
+    return (choice.meta.get("finish_reason") or {}).get("type")
+
+
+def matched_stop(choice: Choice):
+    fr = (choice.meta or {}).get("finish_reason") or {}
+    return fr.get("matched")
+
+
+def usage(fe: Frontend, choices: list[Choice], prompts_per_choice: int = 1) -> dict:
+    """Token usage; each distinct prompt counts once even when n > 1."""
+    firsts = choices[::prompts_per_choice]
+    prompt = sum(len(c.prompt_ids) for c in firsts)
+    completion = sum(len(c.output_ids) for c in choices)
+    out = {"prompt_tokens": prompt, "completion_tokens": completion,
+           "total_tokens": prompt + completion}
+    if fe.enable_cache_report:
+        cached = sum((c.meta or {}).get("cached_tokens", 0) for c in firsts)
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
+
+
+def stream_error(choice: Choice) -> str:
+    return sse({"error": {"message": choice.error, "type": "server_error", "code": 500}})
+
+
+def _token_entry(fe: Frontend, token_id: int, logprob: float) -> dict:
+    text = fe.token_text(token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def chat_logprobs(fe: Frontend, ids, lps, tops) -> dict:
+    content = []
+    for i, (tid, lp) in enumerate(zip(ids, lps)):
+        entry = _token_entry(fe, tid, lp)
+        entry["top_logprobs"] = [_token_entry(fe, t, v) for t, v in tops[i]] if i < len(tops) else []
+        content.append(entry)
+    return {"content": content}
+
+
+def completion_logprobs(fe: Frontend, ids, lps, tops, offset: int = 0) -> dict:
+    tokens = [fe.token_text(t) for t in ids]
+    offsets, pos = [], offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    top = [{fe.token_text(t): v for t, v in tops[i]} for i in range(len(tops))] if tops else None
+    return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top,
+            "text_offset": offsets}
+
+
+# ---- /v1/chat/completions ---------------------------------------------------------------
+async def chat_completion(fe: Frontend, req: ChatCompletionRequest):
+    fe.check_model(req.model)
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    ids = fe.chat_ids(messages)
+    max_tokens = fe.check_prompt(ids, req.max_completion_tokens or req.max_tokens, "messages")
+    params = []
+    for i in range(req.n):
+        sp = req.sampling_params(max_tokens, i)
+        if req.logprobs:
+            sp["return_logprob"] = True
+            sp["top_logprobs_num"] = req.top_logprobs or 0
+        params.append(sp)
+    choices, streams = await fe.start([ids] * req.n, params)
+    rid = f"chatcmpl-{choices[0].rid}"
+    if req.stream:
+        return _chat_stream(fe, req, rid, choices, streams)
+    await fe.run_to_end(choices, streams)
+    failed = next((c for c in choices if c.error), None)
+    if failed:
+        raise ApiError(500, failed.error, type="server_error")
+    out = []
+    for c in choices:
+        item = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(fe, c.output_ids, c.logprobs, c.top_logprobs)
+                if req.logprobs else None,
+                "finish_reason": finish_reason(c), "matched_stop": matched_stop(c)}
+        out.append(item)
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()),
+            "model": fe.served_model_name, "choices": out, "usage": usage(fe, choices, req.n)}
+
+
+async def _chat_stream(fe: Frontend, req: ChatCompletionRequest, rid: str, choices: list[Choice],
+                       streams) -> AsyncIterator[str]:
+    created = int(time.time())
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created,
+            "model": fe.served_model_name}
+
+    def chunk(index: int, delta: dict, reason=None, logprobs=None) -> str:
+        return sse({**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                         "finish_reason": reason}]})
+    for c in choices:
+        yield chunk(c.index, {"role": "assistant", "content": ""})
+    async for c, delta, update in fe.interleave(choices, streams):
+        if c.error:
+            yield stream_error(c)
+            continue
+        lp = None
+        if req.logprobs and update.get("ids"):
+            lp = chat_logprobs(fe, update["ids"], update.get("logprobs", []),
+                               update.get("top_logprobs", []))
+        if delta or lp:
+            yield chunk(c.index, {"content": delta}, logprobs=lp)
+        if c.meta is not None:
+            yield chunk(c.index, {}, reason=finish_reason(c))
+    if req.include_usage:
+        yield sse({**base, "choices": [], "usage": usage(fe, choices, req.n)})
+    yield SSE_DONE
+
+
+# ---- /v1/completions ----------------------------------------------------------------------
+def completion_prompts(fe: Frontend, prompt) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [fe.encode(prompt)] if prompt else [[]]
+    if not prompt:
+        raise ApiError(400, "prompt must not be empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        bad = next((t for t in prompt if not 0 <= t < fe.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"prompt contains token id {bad}, outside the vocabulary "
+                           f"[0, {fe.vocab_size})", param="prompt")
+        return [list(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        return [fe.encode(p) if p else [] for p in prompt]
+    return [completion_prompts(fe, p)[0] for p in prompt]
+
+
+async def completion(fe: Frontend, req: CompletionRequest):
+    fe.check_model(req.model)
+    if req.echo or req.suffix:
+        raise ApiError(400, "echo and suffix are not supported", param="echo" if req.echo else "suffix")
+    prompts = completion_prompts(fe, req.prompt)
+    all_ids, params = [], []
+    for ids in prompts:
+        max_tokens = fe.check_prompt(ids, req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
+        for i in range(req.n):
+            sp = req.sampling_params(max_tokens, i)
+            if req.logprobs is not None:
+                sp["return_logprob"] = True
+                sp["top_logprobs_num"] = req.logprobs
+            all_ids.append(ids)
+            params.append(sp)
+    choices, streams = await fe.start(all_ids, params)
+    rid = f"cmpl-{choices[0].rid}"
+    if req.stream:
+        return _completion_stream(fe, req, rid, choices, streams)
+    await fe.run_to_end(choices, streams)
+    failed = next((c for c in choices if c.error), None)
+    if failed:
+        raise ApiError(500, failed.error, type="server_error")
+    out = [{"index": c.index, "text": c.text, "finish_reason": finish_reason(c),
+            "matched_stop": matched_stop(c),
+            "logprobs": completion_logprobs(fe, c.output_ids, c.logprobs, c.top_logprobs)
+            if req.logprobs is not None else None} for c in choices]
+    return {"id": rid, "object": "text_completion", "created": int(time.time()),
+            "model": fe.served_model_name, "choices": out, "usage": usage(fe, choices, req.n)}
+
+
+async def _completion_stream(fe: Frontend, req: CompletionRequest, rid: str,
+                             choices: list[Choice], streams) -> AsyncIterator[str]:
+    base = {"id": rid, "object": "text_completion", "created": int(time.time()),
+            "model": fe.served_model_name}
+    offsets = {c.index: 0 for c in choices}
+    async for c, delta, update in fe.interleave(choices, streams):
+        if c.error:
+            yield stream_error(c)
+            continue
+        lp = None
+        if req.logprobs is not None and update.get("ids"):
+            lp = completion_logprobs(fe, update["ids"], update.get("logprobs", []),
+                                     update.get("top_logprobs", []), offsets[c.index])
+        offsets[c.index] += len(delta)
+        if delta or lp or c.meta is not None:
+            yield sse({**base, "choices": [{"index": c.index, "text": delta, "logprobs": lp,
+                                            "finish_reason": finish_reason(c)}]})
+    if req.include_usage:
+        yield sse({**base, "choices": [], "usage": usage(fe, choices, req.n)})
+    yield SSE_DONE
+
+
+def models_list(fe: Frontend) -> dict:
+    return {"object": "list", "data": [{"id": fe.served_model_name, "object": "model",
+                                        "created": 0, "owned_by": "radixray",
+                                        "root": fe.model_path,
+                                        "max_model_len": fe.context_len}]}

@@ -1,0 +1,164 @@
+"""``radixray serve``: start (or join) Ray, deploy the app, wait for SIGTERM, drain, exit 0.
+
+Flags cover the common options; everything else comes from ``--config`` YAML
+(validated by ServeConfig). A flag given on the command line overrides the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+import time
+
+logger = logging.getLogger("radixray.serve")
+
+# flag -> (section, field)
+_FLAG_FIELDS = {
+    "model": ("engine", "model"), "dtype": ("engine", "dtype"),
+    "mem_fraction_static": ("engine", "mem_fraction_static"),
+    "max_total_tokens": ("engine", "max_total_tokens"),
+    "chunked_prefill_size": ("engine", "chunked_prefill_size"),
+    "context_length": ("engine", "context_length"),
+    "schedule_policy": ("engine", "schedule_policy"),
+    "max_running_requests": ("engine", "max_running_requests"),
+    "disable_radix_cache": ("engine", "disable_radix_cache"),
+    "host": ("server", "host"), "port": ("server", "port"),
+    "served_model_name": ("server", "served_model_name"),
+    "ingress_replicas": ("server", "ingress_replicas"),
+    "log_level": ("server", "log_level"),
+}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI + native APIs) on Ray Serve")
+    p.add_argument("--config", help="YAML file (see configs/serve/default.yaml); flags override it")
+    p.add_argument("--model", help="'default' (SmolLM2-135M GGUF), an HF folder or a .gguf file")
+    p.add_argument("--host", help="HTTP host (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--mem-fraction-static", type=float)
+    p.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens")
+    p.add_argument("--chunked-prefill-size", type=int)
+    p.add_argument("--context-length", type=int)
+    p.add_argument("--schedule-policy", choices=["fcfs", "lpm"])
+    p.add_argument("--max-running-requests", type=int)
+    p.add_argument("--disable-radix-cache", action="store_true", default=None)
+    p.add_argument("--served-model-name")
+    p.add_argument("--ingress-replicas", type=int)
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--address", help="join a running Ray cluster (default: start a local one)")
+    p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray instance")
+    p.add_argument("--drain-timeout", type=float, default=None,
+                   help="seconds to wait for in-flight requests on SIGTERM (default: no limit)")
+    p.set_defaults(func=cmd_serve)
+
+
+def config_from_args(args):
+    from radixray.cluster.config import ServeConfig
+    overrides: dict = {}
+    for flag, (section, field) in _FLAG_FIELDS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides.setdefault(section, {})[field] = value
+    if args.config:
+        return ServeConfig.load(args.config, overrides)
+    return ServeConfig.parse(overrides)
+
+
+def cmd_serve(args) -> int:
+    from radixray.cluster.config import ConfigError
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as exc:
+        print(f"radixray serve: {exc}")
+        return 2
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import ray
+    from ray import serve
+
+    from radixray.cluster.builder import build_app
+    if args.address:
+        ray.init(address=args.address, namespace=cfg.namespace)
+    else:
+        ray.init(_node_ip_address="127.0.0.1", num_cpus=args.num_cpus, include_dashboard=False,
+                 namespace=cfg.namespace)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    serve.start(http_options={"host": cfg.server.host, "port": cfg.server.port})
+    serve.run(build_app(cfg), name=cfg.app_name, route_prefix=cfg.server.route_prefix,
+              blocking=False)
+    base = f"http://{cfg.server.host}:{cfg.server.port}"
+    if not wait_ready(base, stop):
+        return drain_and_exit(cfg, stop, args.drain_timeout)
+    print_ready(base, cfg.server.served_model_name)
+    stop.wait()
+    return drain_and_exit(cfg, stop, args.drain_timeout)
+
+
+def wait_ready(base: str, stop: threading.Event, timeout: float = 1800) -> bool:
+    """Poll /ready until 200 (the first call warms the path up); False if stopped first."""
+    import httpx
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    deadline = time.monotonic() + timeout
+    while not stop.is_set() and time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/ready", timeout=600).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        stop.wait(1.0)
+    return False
+
+
+def print_ready(base: str, model: str) -> None:
+    print(f"""
+radixray is ready: {base}  (model "{model}")
+  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
+  python -c "from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='-'); \\
+print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hi'}}]).choices[0].message.content)"
+  metrics: {base}/metrics   health: {base}/health   stop: Ctrl-C or SIGTERM (drains first)
+""", flush=True)
+
+
+def drain_and_exit(cfg, stop: threading.Event, timeout: float | None) -> int:
+    """Drain every worker (finish in-flight, refuse new), then shut Serve and Ray down."""
+    import ray
+    from ray import serve
+
+    from radixray.cluster.fleet import find_worker
+    logger.warning("SIGTERM received: draining requests and shutting down...")
+    worker = find_worker(cfg)
+    if worker is not None:
+        remaining = ray.get(worker.drain.remote())
+        deadline = None if timeout is None else time.monotonic() + timeout
+        last_log = 0.0
+        while remaining:
+            if time.monotonic() - last_log >= 5:
+                rids = ray.get(worker.inflight_rids.remote())
+                logger.warning("Gracefully exiting... remaining requests: %d %s", remaining, rids)
+                last_log = time.monotonic()
+            if deadline is not None and time.monotonic() > deadline:
+                logger.warning("drain timeout: %d request(s) cut off", remaining)
+                break
+            time.sleep(0.25)
+            remaining = ray.get(worker.num_inflight.remote())
+        time.sleep(1.0)  # let the ingress write the last chunks to its clients
+    logger.warning("Gracefully exiting... remaining requests: 0")
+    serve.shutdown()
+    ray.shutdown()
+    return 0
+
+
+def run_argv(argv: list[str]) -> int:
+    """Entry point for tests: parse ``serve`` flags and run."""
+    parser = argparse.ArgumentParser(prog="radixray")
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", *argv])
+    return args.func(args)

@@ -1,0 +1,230 @@
+"""The served app on a local Ray cluster, driven by the official openai client and httpx."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from serving_helpers import free_port, metric, serve_app, start_local_ray, tiny_config
+
+CHAT = [{"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "the cat sat on the mat"}]
+PROMPTS = ["the cat sat", "hello world, the quick brown fox", "a b c"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    import ray
+    from ray import serve
+    start_local_ray()
+    try:
+        base = serve_app(tiny_config(tiny_llama_dir, free_port()))
+        yield base
+        kv = httpx.get(f"{base}/debug/kv_conservation", timeout=60).json()
+        assert kv["running"] == 0 and kv["waiting"] == 0
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+    return OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+
+def test_models_health_ready(server):
+    models = httpx.get(f"{server}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    for path in ("/health", "/ready", "/health_generate"):
+        assert httpx.get(server + path, timeout=60).status_code == 200, path
+    assert httpx.post(f"{server}/flush_cache").status_code == 200
+
+
+def test_completions_equal_in_process_engine(client, eng):
+    for prompt in PROMPTS:
+        want = eng.generate(prompt, {"max_new_tokens": 12, "temperature": 0})
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        assert got.choices[0].text == want["text"]
+        assert got.usage.completion_tokens == len(want["output_ids"])
+        assert got.usage.prompt_tokens == want["meta_info"]["prompt_tokens"]
+        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=12,
+                                           temperature=0, stream=True,
+                                           stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want["text"]
+        assert chunks[-1].usage.completion_tokens == len(want["output_ids"])
+
+
+def test_chat_equal_in_process_engine(client, eng):
+    ids = eng.apply_chat_template(CHAT)
+    want = eng.generate(input_ids=ids, sampling_params={"max_new_tokens": 16, "temperature": 0})
+    got = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=16, temperature=0)
+    assert got.choices[0].message.content == want["text"]
+    assert got.choices[0].finish_reason == want["meta_info"]["finish_reason"]["type"]
+    assert got.usage.prompt_tokens == len(ids)
+    stream = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=16,
+                                            temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want["text"]
+
+
+def test_async_client_streams_concurrently(server, eng):
+    from openai import AsyncOpenAI
+
+    async def one(c, prompt):
+        stream = await c.completions.create(model="tiny", prompt=prompt, max_tokens=10,
+                                            temperature=0, stream=True)
+        return "".join([ch.choices[0].text async for ch in stream])
+
+    async def main():
+        c = AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+        return await asyncio.gather(*(one(c, p) for p in PROMPTS))
+    texts = asyncio.run(main())
+    for prompt, text in zip(PROMPTS, texts):
+        assert text == eng.generate(prompt, {"max_new_tokens": 10, "temperature": 0})["text"]
+
+
+def test_n_logprobs_and_seed(client):
+    r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=0,
+                                       n=2, logprobs=True, top_logprobs=3)
+    assert len(r.choices) == 2 and r.choices[0].message.content == r.choices[1].message.content
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens // 2
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+    a = client.completions.create(model="tiny", prompt="the", max_tokens=8, temperature=1.0, seed=7)
+    b = client.completions.create(model="tiny", prompt="the", max_tokens=8, temperature=1.0, seed=7)
+    assert a.choices[0].text == b.choices[0].text
+
+
+def test_native_generate_matches_engine(server, eng):
+    want = eng.generate("the quick brown fox", {"max_new_tokens": 10, "temperature": 0})
+    r = httpx.post(f"{server}/generate", json={"text": "the quick brown fox", "return_logprob": True,
+                                               "sampling_params": {"max_new_tokens": 10,
+                                                                   "temperature": 0}}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["output_ids"] == want["output_ids"] and body["text"] == want["text"]
+    meta = body["meta_info"]
+    for key in ("id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
+                "queue_time", "first_token_latency", "e2e_latency", "num_retractions",
+                "weight_version"):
+        assert key in meta, key
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == want["output_ids"]
+    events = []
+    with httpx.stream("POST", f"{server}/generate", json={
+            "input_ids": want["output_ids"][:3] + [5, 6], "stream": True,
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0,
+                                "ignore_eos": True}}, timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    assert events[-1]["meta_info"]["completion_tokens"] == 5 == len(events[-1]["output_ids"])
+
+
+def test_repeated_prompt_reports_cached_tokens(server, client):
+    prompt = "the cat sat on the mat and the dog sat on the log " * 3
+    for _ in range(2):
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    assert r.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1
+    for _ in range(2):
+        body = httpx.post(f"{server}/generate", json={
+            "text": prompt + "again", "sampling_params": {"max_new_tokens": 2}}).json()
+    assert body["meta_info"]["cached_tokens"] > 0
+
+
+def test_metrics_move_by_the_request(server):
+    ids = [(7 * i + 3) % 300 + 1 for i in range(40)]  # 40 tokens nobody sent before
+    def scrape():
+        return httpx.get(f"{server}/metrics").text
+    before = scrape()
+    for _ in range(2):
+        r = httpx.post(f"{server}/generate", json={"input_ids": ids, "sampling_params": {
+            "max_new_tokens": 7, "ignore_eos": True, "temperature": 0}})
+        assert r.status_code == 200
+    after = scrape()
+
+    def delta(name, **labels):
+        return metric(after, name, **labels) - metric(before, name, **labels)
+    assert delta("radixray:prompt_tokens_total") == 80
+    assert delta("radixray:generation_tokens_total") == 14
+    # first pass computes all 40; the second reuses 39 (the last prompt token always runs)
+    assert delta("radixray:prefill_effective_tokens_total", mode="input") == 41
+    assert delta("radixray:prefill_effective_tokens_total", mode="device_hit") == 39
+    assert delta("radixray:requests_total", finish_reason="length") == 2
+    assert delta("radixray:time_to_first_token_seconds_count") == 2
+    assert delta("radixray:inter_token_latency_seconds_count") == 12
+    assert 'worker="worker-0"' in after
+    for gauge in ("num_running_reqs", "num_queue_reqs", "token_usage", "gen_throughput"):
+        assert f"radixray:{gauge}{{" in after
+
+
+LONG = "the cat sat on the mat " * 300  # over the tiny model's 1024-token context
+
+BAD_CHAT = [
+    ("{not json", "Malformed JSON", None),
+    ({"model": "tiny"}, "messages: Field required", "messages"),
+    ({"messages": []}, "at least 1 item", "messages"),
+    ({"messages": "hello"}, "messages", "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role", "messages.0.role"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, "greater than or equal to 1", "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}, "max_tokens", "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature",
+     "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, "does not exist", "model"),
+    ({"messages": [{"role": "user", "content": LONG}]}, "maximum context length is 1024", "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, "Lower max_tokens",
+     "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("body,needle,param", BAD_CHAT)
+def test_bad_chat_input_is_a_clear_400(server, client, body, needle, param):
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(f"{server}/v1/chat/completions", content=content,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"] == "invalid_request_error"
+    assert err["param"] == param
+    ok = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("path,body,needle", [
+    ("/v1/completions", {"prompt": ""}, "empty"),
+    ("/v1/completions", {"prompt": [1, 2, 99999]}, "outside the vocabulary"),
+    ("/v1/completions", {"prompt": LONG}, "maximum context length"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("/generate", {"text": "hi", "sampling_params": {"bogus": 1}}, "bogus"),
+    ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, "temperature"),
+    ("/generate", {"sampling_params": {}}, "exactly one of text or input_ids"),
+    ("/generate", {"input_ids": [1, "x"]}, "input_ids"),
+])
+def test_bad_completion_and_generate_input(server, path, body, needle):
+    r = httpx.post(server + path, json=body)
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
+    assert httpx.post(f"{server}/generate", json={"text": "hi"}).status_code == 200
+
+
+def test_client_disconnect_aborts_and_returns_kv(server):
+    before = httpx.get(f"{server}/metrics").text
+    with httpx.stream("POST", f"{server}/v1/completions", json={
+            "prompt": "the cat", "max_tokens": 900, "ignore_eos": True, "stream": True},
+            timeout=60) as s:
+        lines = s.iter_lines()
+        got = [next(lines) for _ in range(4)]
+    assert any(line.startswith("data: ") for line in got)
+    kv = None
+    for _ in range(100):  # the abort reaches the worker asynchronously
+        kv = httpx.get(f"{server}/debug/kv_conservation", timeout=60).json()
+        if kv["running"] == 0 and kv["waiting"] == 0:
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert kv["running"] == 0 and kv["waiting"] == 0
+    assert kv["free"] + kv["cached"] == kv["pool"]  # every slot is back (the check also asserts)
+    after = httpx.get(f"{server}/metrics").text
+    assert metric(after, "radixray:num_aborted_reqs_total") - metric(
+        before, "radixray:num_aborted_reqs_total") == 1

@@ -1,0 +1,70 @@
+"""Start radixray serving apps for tests: a local Ray on loopback, Serve on a free port."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+
+import httpx
+
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+           "TOKENIZERS_PARALLELISM": "false"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_config(model_dir: str, port: int, **server) -> dict:
+    return {"engine": {"model": model_dir, "dtype": "float32", "max_total_tokens": 4096,
+                       "check_kv_conservation": True},
+            "server": {"port": port, "served_model_name": "tiny", **server}}
+
+
+def start_local_ray():
+    import ray
+    os.environ.update(RAY_ENV)
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=2, object_store_memory=256 * 1024 ** 2,
+             include_dashboard=False, namespace="radixray", log_to_driver=False)
+
+
+def serve_app(config: dict) -> str:
+    """Deploy ``build_app(config)``; return the base URL once /ready answers 200."""
+    from ray import serve
+
+    from radixray import build_app
+    port = config["server"]["port"]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(config), name="radixray", route_prefix="/", blocking=False)
+    base = f"http://127.0.0.1:{port}"
+    wait_ready(base)
+    return base
+
+
+def wait_ready(base: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/ready", timeout=120).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{base}/ready did not answer 200 within {timeout} s")
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        m = re.match(r"^[^{ ]+(?:\{(.*)\})? (\S+)$", line)
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
