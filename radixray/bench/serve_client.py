@@ -215,10 +215,13 @@ def arrival_offsets(n: int, request_rate: float, seed: int) -> list[float]:
 
 
 async def run_benchmark(cfg: RunConfig, items: list[datasets.Conversation],
-                        count_tokens: Callable[[str], int]) -> tuple[list[RequestRecord], float]:
+                        count_tokens: Callable[[str], int],
+                        warmup_items: list[datasets.Conversation] | None = None,
+                        ) -> tuple[list[RequestRecord], float]:
     """Send ``cfg.warmup`` excluded warm-up requests, then ``items``; return (records, duration in s).
 
-    Warm-up requests are the first turns of the first items, sent one by one.
+    Warm-up requests are the first turns of ``warmup_items`` (default: the first
+    items), sent one by one.
     Conversations start at :func:`arrival_offsets`; a conversation's turns go one
     after another, each carrying the replies so far; at most
     ``cfg.max_concurrency`` requests are in flight. Once a turn fails, the
@@ -235,8 +238,9 @@ async def run_benchmark(cfg: RunConfig, items: list[datasets.Conversation],
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        for i in range(cfg.warmup if items else 0):
-            item = items[i % len(items)]
+        warm = warmup_items or items
+        for i in range(cfg.warmup if warm else 0):
+            item = warm[i % len(warm)]
             body = request_body(cfg.api, cfg.model, build_prompt(cfg.api, item, 0, []),
                                 item.output_len, cfg.temperature, cfg.ignore_eos)
             out = await stream_request(client, url, body)
@@ -338,19 +342,32 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         return datasets.count_tokens(tokenizer, text)
 
     concurrencies = args.sweep or [args.max_concurrency]
+    prompt_counts = args.sweep_num_prompts or [args.num_prompts] * len(concurrencies)
+    if len(prompt_counts) != len(concurrencies):
+        print("error: --sweep-num-prompts needs one count per --sweep value", file=sys.stderr)
+        return 2
     slo = dict(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
     summaries = []
     sink = open(args.output_jsonl, "w") if args.output_jsonl else contextlib.nullcontext()
     with sink as jsonl:
         for label, url in targets:
-            for conc in concurrencies:
-                items = datasets.build_from_args(args, tokenizer)
+            for point, (conc, num) in enumerate(zip(concurrencies, prompt_counts)):
+                # Each sweep point gets its own prompts (seed + point), so a prefix cache
+                # never serves one point from another; random warm-ups use extra prompts.
+                point_args = argparse.Namespace(**{**vars(args), "seed": args.seed + point})
+                warm_items = None
+                if args.dataset == "random":
+                    point_args.num_prompts = (1000 if num is None else num) + args.warmup
+                    items = datasets.build_from_args(point_args, tokenizer)
+                    warm_items, items = items[:args.warmup], items[args.warmup:]
+                else:
+                    items = datasets.build_from_args(point_args, tokenizer)
                 cfg = RunConfig(base_url=url, model=models[label], api=args.api, label=label,
                                 max_concurrency=conc, request_rate=args.request_rate,
                                 seed=args.seed, warmup=args.warmup, ignore_eos=args.ignore_eos,
                                 temperature=args.temperature, request_timeout=args.request_timeout,
                                 progress=not args.disable_tqdm)
-                records, duration = asyncio.run(run_benchmark(cfg, items, count))
+                records, duration = asyncio.run(run_benchmark(cfg, items, count, warm_items))
                 summary = summarize(records, duration, label=label, request_rate=args.request_rate,
                                     max_concurrency=conc, **slo)
                 summaries.append(summary)
@@ -397,6 +414,8 @@ def add_parser(bench_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT SLO for goodput")
     p.add_argument("--sweep", type=_int_list, default=None, metavar="C1,C2,...",
                    help="run once per max-concurrency value; prints a table and writes --plot")
+    p.add_argument("--sweep-num-prompts", type=_int_list, default=None, metavar="N1,N2,...",
+                   help="random dataset: prompts per --sweep point (default --num-prompts each)")
     p.add_argument("--plot", default="bench_sweep.png", help="PNG written by --sweep")
     p.add_argument("--output-jsonl", default=None, help="one JSON line per request")
     p.add_argument("--output-json", default=None, help="a JSON list of the run summaries")

@@ -91,6 +91,7 @@ class Ingress:
         self.registry.register(self.collector)
         self._ready = False
         self._start_lock: asyncio.Lock | None = None
+        self._start_task: asyncio.Task | None = None
 
     async def _ensure_ready(self) -> bool:
         """Open the worker channel and warm the path up once (first call does the work)."""
@@ -146,10 +147,15 @@ class Ingress:
     # ---- operations -----------------------------------------------------------------
     @app.get("/ready")
     async def ready(self):
-        try:
-            await asyncio.wait_for(self._ensure_ready(), 600)
-        except Exception as exc:  # noqa: BLE001 - not ready is an answer, not an error
-            return JSONResponse({"status": "starting", "detail": str(exc)}, status_code=503)
+        """503 until the channel is open and the warm-up request has run (the first call
+        starts both in the background), and again while draining."""
+        if not self._ready:
+            task = self._start_task
+            error = task.exception() if task is not None and task.done() else None
+            if task is None or task.done():  # first call, or retry after a failed start
+                self._start_task = asyncio.create_task(self._ensure_ready())
+            detail = f"start-up failed: {error}" if error else "warming up"
+            return JSONResponse({"status": "starting", "detail": detail}, status_code=503)
         if not self._serving():
             return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ready"}

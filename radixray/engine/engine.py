@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import torch
+
 from radixray.engine.config import EngineConfig
 from radixray.engine.detokenizer import IncrementalDetokenizer
 from radixray.engine.inputs import Limits, build_requests
@@ -110,6 +112,11 @@ class Engine:
         self._thread.start()
 
     def _loop(self) -> None:
+        # OpenMP's thread count is per thread: a new thread starts from OMP_NUM_THREADS
+        # (Ray sets it to the actor's CPU count, often 1), not from the count the
+        # model runner chose on the constructing thread. Set it here, where the
+        # forward passes run.
+        torch.set_num_threads(self.runner.num_threads)
         try:
             self.scheduler.run_forever(lambda: self._stopping)
         except Exception:

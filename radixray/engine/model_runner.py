@@ -62,6 +62,7 @@ class ModelRunner:
         self.dtype, dtype_reason = pick_dtype(config.dtype, config.device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        self.num_threads = torch.get_num_threads()  # the scheduler thread sets this count too
         hf = source.config
         self.hf_config = hf
         self.vocab_size = hf.vocab_size

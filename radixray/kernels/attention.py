@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from radixray.engine.forward_batch import ForwardBatch, ForwardMode
 from radixray.engine.memory import KVPool
+from radixray.kernels.extend_attention import blocked_extend_attention
 
 
 class AttentionBackend(abc.ABC):
@@ -90,28 +91,33 @@ class TorchAttention(AttentionBackend):
         kb, vb = self.kv_pool.k_buffers[layer], self.kv_pool.v_buffers[layer]
         for n, plen, prefix_idx in zip(batch.extend_lens, batch.prefix_lens,
                                        batch.attn_metadata["prefix_indices"]):
-            qi = q[start:start + n].transpose(0, 1)  # [h, n, d]
             ki = k[start:start + n].to(kb.dtype)
             vi = v[start:start + n].to(vb.dtype)
             if plen:
                 ki = torch.cat((kb[prefix_idx], ki))
                 vi = torch.cat((vb[prefix_idx], vi))
-                # Token i of the new run sees the whole prefix and new tokens 0..i.
-                mask = torch.ones(n, plen + n, dtype=torch.bool).tril(diagonal=plen)
-                out = F.scaled_dot_product_attention(
-                    qi.to(ki.dtype), ki.transpose(0, 1), vi.transpose(0, 1), attn_mask=mask,
-                    scale=self.scaling, enable_gqa=True)
-            else:
-                out = F.scaled_dot_product_attention(
-                    qi.to(ki.dtype), ki.transpose(0, 1), vi.transpose(0, 1), is_causal=True,
-                    scale=self.scaling, enable_gqa=True)
-            outs.append(out.transpose(0, 1))
+            outs.append(self._attend(q[start:start + n].to(ki.dtype), ki, vi, plen))
             start += n
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
+    def _attend(self, q, k, v, plen: int):
+        """One request: q [n, h, d] over k/v [plen + n, kvh, d]; token i sees keys 0..plen+i."""
+        n = q.shape[0]
+        if plen:
+            mask = torch.ones(n, plen + n, dtype=torch.bool).tril(diagonal=plen)
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                scale=self.scaling, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                scale=self.scaling, enable_gqa=True)
+        return out.transpose(0, 1)
+
 
 class CpuPagedAttention(TorchAttention):
-    """Decode reads K/V straight from the paged pool with the fused C++ kernel; extend as torch."""
+    """Decode reads K/V straight from the paged pool with the fused C++ kernel; extend runs
+    as blocked GEMMs (kernels/extend_attention.py)."""
 
     name = "cpu_paged"
 
@@ -129,6 +135,9 @@ class CpuPagedAttention(TorchAttention):
             batch.attn_metadata["seq_lens"] = torch.tensor(batch.seq_lens, dtype=torch.int64)
         else:
             super().init_forward_metadata(batch)
+
+    def _attend(self, q, k, v, plen: int):
+        return blocked_extend_attention(q, k, v, plen, self.scaling)
 
     def _decode(self, q, layer, batch):
         meta = batch.attn_metadata

@@ -364,9 +364,11 @@ def test_cli_sweep_writes_table_jsonl_json_and_png(fake, tok_dir, tmp_path, caps
     assert {"ttft", "itl", "latency", "tpot", "cached_tokens", "prompt_tokens", "turn"} <= set(lines[0])
     summaries = json.load(open(js))
     assert [s["max_concurrency"] for s in summaries] == [1, 2] and summaries[0]["request_rate"] == "inf"
-    # Same seed, fresh dataset per sweep point: both runs sent identical prompts.
+    # Each sweep point draws its own prompts (so a prefix cache cannot carry one point into
+    # the next), and the warm-up prompt is never measured.
     sent = [e["body"]["prompt"] for e in fake.log]
-    assert len(sent) == 10 and sent[:5] == sent[5:]
+    assert len(sent) == 10 and not set(sent[:5]) & set(sent[5:])
+    assert sent[0] not in sent[1:5] and sent[5] not in sent[6:]
 
 
 def test_cli_unreachable_server_fails_cleanly(capsys):

@@ -283,3 +283,27 @@ def test_shutdown_ends_unfinished_requests(tiny_llama_dir):
         eng.generate(input_ids=[1, 2])
     eng.shutdown()  # idempotent
     eng.scheduler.check_kv_conservation()
+
+
+THREADS_SCRIPT = """
+import ctypes, os, sys, torch
+from radixray import Engine
+lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1"))
+with Engine(model=sys.argv[1], dtype="float32", max_total_tokens=256, num_threads=2) as eng:
+    print("SCHEDULER_OMP_THREADS", eng.call_in_loop(lambda s: lib.omp_get_max_threads()))
+"""
+
+
+def test_scheduler_thread_runs_with_the_configured_threads(tiny_llama_dir):
+    """Ray starts actors with OMP_NUM_THREADS=<cpus>; the scheduler thread must still use num_threads."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+    if not os.path.exists(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")):
+        pytest.skip("torch build without GNU OpenMP")
+    out = subprocess.run([sys.executable, "-c", THREADS_SCRIPT, tiny_llama_dir], text=True,
+                         capture_output=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "SCHEDULER_OMP_THREADS 2" in out.stdout

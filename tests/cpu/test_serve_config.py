@@ -1,0 +1,51 @@
+"""ServeConfig: YAML + overrides, defaults, and errors that name the field."""
+
+import pytest
+
+from radixray.cluster.builder import resolve_config
+from radixray.cluster.config import ConfigError, ServeConfig
+from radixray.cluster.serve_cli import config_from_args, run_argv  # noqa: F401 - import check
+
+DEFAULT_YAML = "configs/serve/default.yaml"
+
+
+def test_default_yaml_is_valid_and_matches_defaults():
+    cfg = ServeConfig.load(DEFAULT_YAML)
+    assert cfg.engine.model == "default" and cfg.server.port == 8000
+    assert cfg.server.served_model_name == "default"
+    assert cfg.engine.engine_options()["chunked_prefill_size"] == 2048
+
+
+def test_overrides_and_served_name():
+    cfg = ServeConfig.load(DEFAULT_YAML, {"engine": {"model": "/models/Qwen3-0.6B/"},
+                                          "server": {"port": 9000}})
+    assert cfg.server.port == 9000 and cfg.server.served_model_name == "Qwen3-0.6B"
+    assert resolve_config({"config_file": DEFAULT_YAML, "server": {"port": 9001}}).server.port == 9001
+
+
+@pytest.mark.parametrize("data,needle", [
+    ({"engine": {"chunked_prefill_size": "big"}}, "engine.chunked_prefill_size"),
+    ({"engine": {"mem_fraction_static": 1.5}}, "engine.mem_fraction_static"),
+    ({"server": {"port": 70000}}, "server.port"),
+    ({"server": {"prot": 1}}, "server.prot"),
+    ({"engine": {"schedule_policy": "random"}}, "engine.schedule_policy"),
+])
+def test_errors_name_the_field(data, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        ServeConfig.parse(data)
+
+
+def test_cli_flags_override_yaml(tmp_path):
+    import argparse
+
+    from radixray.cluster import serve_cli
+    parser = argparse.ArgumentParser()
+    serve_cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--config", DEFAULT_YAML, "--port", "8123",
+                              "--disable-radix-cache", "--max-running-requests", "7"])
+    cfg = config_from_args(args)
+    assert cfg.server.port == 8123 and cfg.engine.disable_radix_cache
+    assert cfg.engine.max_running_requests == 7 and cfg.engine.chunked_prefill_size == 2048
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engine:\n  max_total_tokens: -3\n")
+    assert serve_cli.cmd_serve(parser.parse_args(["serve", "--config", str(bad)])) == 2
