@@ -40,6 +40,16 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
+@app.middleware("http")
+async def _json_without_content_type(request: Request, call_next):
+    """Read POST bodies as JSON whatever their Content-Type (``curl -d`` sends a form type),
+    as SGLang's endpoints do; a body that is not JSON still gets the malformed-JSON 400."""
+    if request.method == "POST":
+        headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
+        request.scope["headers"] = headers + [(b"content-type", b"application/json")]
+    return await call_next(request)
+
+
 @app.exception_handler(RequestValidationError)
 async def _on_validation_error(request: Request, exc: RequestValidationError):
     message, param = _validation_message(exc)

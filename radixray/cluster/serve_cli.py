@@ -89,7 +89,9 @@ def cmd_serve(args) -> int:
                  namespace=cfg.namespace)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda signum, _: (logger.warning(
+            "%s received: draining requests and shutting down...", signal.Signals(signum).name),
+            stop.set()))
     serve.start(http_options={"host": cfg.server.host, "port": cfg.server.port})
     serve.run(build_app(cfg), name=cfg.app_name, route_prefix=cfg.server.route_prefix,
               blocking=False)
@@ -133,7 +135,6 @@ def drain_and_exit(cfg, stop: threading.Event, timeout: float | None) -> int:
     from ray import serve
 
     from radixray.cluster.fleet import find_worker
-    logger.warning("SIGTERM received: draining requests and shutting down...")
     worker = find_worker(cfg)
     if worker is not None:
         remaining = ray.get(worker.drain.remote())

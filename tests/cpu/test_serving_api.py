@@ -192,6 +192,13 @@ def test_bad_chat_input_is_a_clear_400(server, client, body, needle, param):
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 
+def test_json_body_without_json_content_type(server):
+    """`curl -d` sends application/x-www-form-urlencoded; the body is still read as JSON."""
+    r = httpx.post(f"{server}/generate", content=json.dumps({"text": "hi", "sampling_params": {
+        "max_new_tokens": 2}}), headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] <= 2
+
+
 @pytest.mark.parametrize("path,body,needle", [
     ("/v1/completions", {"prompt": ""}, "empty"),
     ("/v1/completions", {"prompt": [1, 2, 99999]}, "outside the vocabulary"),
