@@ -167,6 +167,13 @@ class Frontend:
         finally:
             await close_all(streams)
 
+    async def complete(self, choices: list[Choice], streams: list[AsyncIterator]) -> None:
+        """Run every choice to its end; raise a 500 ApiError if the worker failed one."""
+        await self.run_to_end(choices, streams)
+        failed = next((c for c in choices if c.error), None)
+        if failed:
+            raise ApiError(500, failed.error, type="server_error")
+
     async def interleave(self, choices: list[Choice], streams: list[AsyncIterator]):
         """Yield (choice, delta text, update) as updates arrive from any choice."""
         if len(streams) == 1:

@@ -127,9 +127,7 @@ class Ingress:
         """Generate one token end to end; the request is aborted if ``timeout`` hits."""
         choices, streams = await self.fe.start([self.fe.encode(HEALTH_PROMPT)],
                                                [{"max_new_tokens": 1, "temperature": 0.0}])
-        await asyncio.wait_for(self.fe.run_to_end(choices, streams), timeout)
-        if choices[0].error:
-            raise RuntimeError(choices[0].error)
+        await asyncio.wait_for(self.fe.complete(choices, streams), timeout)
 
     def _serving(self) -> bool:
         return self._ready and self.fe.client.alive and not self.fe.client.draining

@@ -76,10 +76,7 @@ async def generate(fe: Frontend, req: GenerateRequest):
     choices, streams = await fe.start(prompts, params, priority=req.priority, rids=rids)
     if req.stream:
         return _stream(fe, req, choices, streams)
-    await fe.run_to_end(choices, streams)
-    failed = next((c for c in choices if c.error), None)
-    if failed:
-        raise ApiError(500, failed.error, type="server_error")
+    await fe.complete(choices, streams)
     results = [_result(fe, c, req.return_logprob) for c in choices]
     return results if is_batch else results[0]
 

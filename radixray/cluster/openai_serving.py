@@ -94,10 +94,7 @@ async def chat_completion(fe: Frontend, req: ChatCompletionRequest):
     rid = f"chatcmpl-{choices[0].rid}"
     if req.stream:
         return _chat_stream(fe, req, rid, choices, streams)
-    await fe.run_to_end(choices, streams)
-    failed = next((c for c in choices if c.error), None)
-    if failed:
-        raise ApiError(500, failed.error, type="server_error")
+    await fe.complete(choices, streams)
     out = []
     for c in choices:
         item = {"index": c.index, "message": {"role": "assistant", "content": c.text},
@@ -173,10 +170,7 @@ async def completion(fe: Frontend, req: CompletionRequest):
     rid = f"cmpl-{choices[0].rid}"
     if req.stream:
         return _completion_stream(fe, req, rid, choices, streams)
-    await fe.run_to_end(choices, streams)
-    failed = next((c for c in choices if c.error), None)
-    if failed:
-        raise ApiError(500, failed.error, type="server_error")
+    await fe.complete(choices, streams)
     out = [{"index": c.index, "text": c.text, "finish_reason": finish_reason(c),
             "matched_stop": matched_stop(c),
             "logprobs": completion_logprobs(fe, c.output_ids, c.logprobs, c.top_logprobs)

@@ -37,8 +37,9 @@ class StepChannel:
         self.loop = loop
         self.queue = queue
 
-    def push(self, updates: list[dict]) -> bool:
-        """Hand ``updates`` to the reader's loop; False when that loop is closed."""
+    def push(self, updates: list[dict] | dict) -> bool:
+        """Hand one message (a step's updates, or a control dict) to the reader's loop;
+        False when that loop is closed."""
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, updates)
             return True
