@@ -34,3 +34,41 @@ def order_waiting(waiting: list[Req], policy: str, *, cache_disabled: bool,
         keyed = [(-r.priority, *k) for k, r in zip(keyed, waiting)]
     keyed.sort(key=lambda k: k[:-1])
     return [k[-1] for k in keyed]
+
+
+IN_BATCH_PREFIX_CHECK = 32  # a cached match this short leaves room for an in-batch duplicate
+IN_BATCH_PREFIX_DEFER = 32  # sharing this many leading tokens with a batch member defers a request
+
+
+class InBatchPrefixes:
+    """Defer requests that would recompute a prefix another request in this batch computes now.
+
+    Requests sent together that share a long uncached prefix (a system prompt
+    nobody has used yet) would each compute it in the same prefill batch. The
+    radix cache only sees the prefix after that batch, so a request whose cached
+    match is at most ``IN_BATCH_PREFIX_CHECK`` tokens and whose first
+    ``IN_BATCH_PREFIX_DEFER`` tokens equal those of a request already in the batch
+    (or of the request being chunk-prefilled) waits one round, then hits the
+    cache. A request is only ever deferred in favour of one that is running, so
+    the queue always makes progress.
+    """
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._heads: set[tuple[int, ...]] = set()
+
+    @staticmethod
+    def _head(ids: list[int]) -> tuple[int, ...] | None:
+        return tuple(ids[:IN_BATCH_PREFIX_DEFER]) if len(ids) >= IN_BATCH_PREFIX_DEFER else None
+
+    def add(self, ids: list[int]) -> None:
+        """Record a request that computes its prefix in this batch."""
+        head = self._head(ids) if self.enabled else None
+        if head is not None:
+            self._heads.add(head)
+
+    def should_defer(self, ids: list[int], cached_len: int) -> bool:
+        if not self.enabled or cached_len > IN_BATCH_PREFIX_CHECK:
+            return False
+        head = self._head(ids)
+        return head is not None and head in self._heads

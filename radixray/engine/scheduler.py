@@ -28,7 +28,7 @@ from radixray.engine.config import EngineConfig
 from radixray.engine.forward_batch import ForwardBatch
 from radixray.engine.kv_manager import KVManager
 from radixray.engine.model_runner import ModelRunner
-from radixray.engine.policy import order_waiting
+from radixray.engine.policy import InBatchPrefixes, order_waiting
 from radixray.engine.radix_cache import MatchResult, RadixCache
 from radixray.engine.request import FinishReason, Req
 from radixray.engine.sampler import Sampler
@@ -158,9 +158,11 @@ class Scheduler:
             return []
         budget = PrefillBudget.start(self.kv.available_tokens(), self.running, self.ratio.value,
                                      self.config.max_prefill_tokens, self.config.chunk_size)
+        in_batch = InBatchPrefixes(enabled=not self.kv.cache.disabled)
         if self.chunked_req is not None:
             req = self.chunked_req
             budget.add_chunk_continuation(req, req.seq_len - req.kv_len)
+            in_batch.add(req.all_ids)
         if budget.rem_chunk_tokens is not None and budget.rem_chunk_tokens <= 0:
             return self._allocate(budget.added)
         # lpm matches every waiting request to order them; reuse those matches below so a
@@ -176,11 +178,15 @@ class Scheduler:
                                 cache_disabled=self.kv.cache.disabled, prefix_len=prefix_len,
                                 priority_first=self.config.enable_priority_scheduling)
         for req in ordered:
+            match = matches.get(id(req)) or self.kv.match(req)
+            if in_batch.should_defer(req.all_ids, len(match.slots)):
+                continue
             if len(self.running) + len(budget.added) >= self.max_running:
                 if not self._preempt_for(req, budget):
                     break
                 matches.clear()
-            match = matches.pop(id(req), None) or self.kv.match(req)
+                match = self.kv.match(req)
+            matches.pop(id(req), None)
             extend_len = req.seq_len - len(match.slots)
             # Locking the matched prefix takes its evictable tokens out of the budget's
             # available count, so they cannot also pay for this request's new tokens.
@@ -204,6 +210,7 @@ class Scheduler:
             if req.admit_time is None:
                 req.admit_time = time.perf_counter()
             self.waiting.remove(req)
+            in_batch.add(req.all_ids)
             if result == AddResult.CHUNKED:
                 break
         return self._allocate(budget.added)
@@ -344,6 +351,9 @@ class Scheduler:
                 if reason is not None:
                     self._finish(req, reason)
                 elif prefill:
+                    # Share the prompt's KV through the tree now, not when the request
+                    # ends, so requests arriving meanwhile with the same prefix hit it.
+                    self.kv.cache_unfinished(req)
                     self.running.append(req)
             self.stats.generation_tokens += len(reqs)
         if not prefill:
