@@ -37,13 +37,16 @@ class EngineWorker:
     (see :func:`worker_actor_class`) or call it directly in tests."""
 
     def __init__(self, engine_options: dict, worker_id: str = "worker-0", warmup: bool = True,
-                 log_level: str = "INFO"):
+                 log_level: str = "INFO", cores_shared_by: int = 1):
+        """``cores_shared_by``: how many workers share this node's cores; without an explicit
+        ``num_threads`` each gets an equal share (at least one thread)."""
         logging.basicConfig(level=log_level.upper(), format="[%(asctime)s] %(message)s",
                             datefmt="%Y-%m-%d %H:%M:%S")
         options = dict(engine_options)
         if not options.get("num_threads"):
-            # Ray pins OMP_NUM_THREADS to the actor's CPU count; the forward pass wants every core.
-            options["num_threads"] = len(os.sched_getaffinity(0))
+            # Ray pins OMP_NUM_THREADS to the actor's CPU count; the forward pass wants the
+            # cores, split evenly between the workers placed on this node.
+            options["num_threads"] = max(1, len(os.sched_getaffinity(0)) // max(1, cores_shared_by))
         self.worker_id = worker_id
         self.engine = Engine(**options)
         self.metrics = WorkerMetrics(worker_id)
@@ -137,6 +140,19 @@ class EngineWorker:
 
     async def inflight_rids(self) -> list[str]:
         return sorted(rid for _, rids in self._channels.values() for rid in rids)
+
+    async def ping(self) -> str:
+        """Liveness: answered by the actor's event loop, not the scheduler, so a long forward
+        pass does not make a healthy worker look dead."""
+        return self.worker_id
+
+    async def resume(self) -> None:
+        """Take requests again after :meth:`drain`."""
+        if self.draining:
+            self.draining = False
+            logger.info("worker %s resumed", self.worker_id)
+            for channel, _ in self._channels.values():
+                channel.push({"control": "open", "draining": False, "worker_id": self.worker_id})
 
     async def drain(self) -> int:
         """Stop taking requests; tell every channel; return how many are still in flight."""

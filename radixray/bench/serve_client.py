@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from radixray.bench import datasets
+from radixray.bench import datasets, server_side
 from radixray.bench.serve_metrics import (
     RequestRecord,
     format_summary,
@@ -201,6 +201,7 @@ class RunConfig:
     temperature: float = 0.0
     request_timeout: float = 3600.0
     progress: bool = True
+    session_header: bool = True  # multi-turn: send X-Session-Id (the server may pin sessions)
 
 
 def arrival_offsets(n: int, request_rate: float, seed: int) -> list[float]:
@@ -253,7 +254,8 @@ async def run_benchmark(cfg: RunConfig, items: list[datasets.Conversation],
 
         async def converse(item: datasets.Conversation, offset: float) -> list[RequestRecord]:
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-            headers = {"X-Session-Id": item.session_id} if item.session_id else None
+            headers = ({"X-Session-Id": item.session_id}
+                       if item.session_id and cfg.session_header else None)
             records: list[RequestRecord] = []
             replies: list[str] = []
             for turn in range(len(item.turns)):
@@ -331,8 +333,13 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     target does not answer at the start.
     """
     targets = args.target or [(args.base_url, args.base_url)]
+    if args.router_policy:  # one run per (target, policy), each from a cold cache
+        targets = [(f"{label}:{p}" if len(targets) > 1 else p, url, p)
+                   for label, url in targets for p in args.router_policy]
+    else:
+        targets = [(label, url, None) for label, url in targets]
     try:
-        models = {label: get_model_id(url, args.model) for label, url in targets}
+        models = {label: get_model_id(url, args.model) for label, url, _ in targets}
     except ServerUnreachable as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -350,8 +357,10 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     summaries = []
     sink = open(args.output_jsonl, "w") if args.output_jsonl else contextlib.nullcontext()
     with sink as jsonl:
-        for label, url in targets:
+        for label, url, policy in targets:
             for point, (conc, num) in enumerate(zip(concurrencies, prompt_counts)):
+                if policy is not None:
+                    server_side.prepare_policy_run(url, policy)
                 # Each sweep point gets its own prompts (seed + point), so a prefix cache
                 # never serves one point from another; random warm-ups use extra prompts.
                 point_args = argparse.Namespace(**{**vars(args), "seed": args.seed + point})
@@ -366,10 +375,15 @@ def run_serve_bench(args: argparse.Namespace) -> int:
                                 max_concurrency=conc, request_rate=args.request_rate,
                                 seed=args.seed, warmup=args.warmup, ignore_eos=args.ignore_eos,
                                 temperature=args.temperature, request_timeout=args.request_timeout,
-                                progress=not args.disable_tqdm)
+                                progress=not args.disable_tqdm,
+                                session_header=args.session_header)
+                before = server_side.scrape(url)
                 records, duration = asyncio.run(run_benchmark(cfg, items, count, warm_items))
                 summary = summarize(records, duration, label=label, request_rate=args.request_rate,
                                     max_concurrency=conc, **slo)
+                summary.update(server_side.run_delta(before, server_side.scrape(url)))
+                if policy is not None:
+                    summary["router_policy"] = policy
                 summaries.append(summary)
                 print(format_summary(summary), flush=True)
                 if jsonl:
@@ -419,6 +433,12 @@ def add_parser(bench_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--plot", default="bench_sweep.png", help="PNG written by --sweep")
     p.add_argument("--output-jsonl", default=None, help="one JSON line per request")
     p.add_argument("--output-json", default=None, help="a JSON list of the run summaries")
+    p.add_argument("--router-policy", action="append", default=None,
+                   choices=["cache_aware", "round_robin", "power_of_two", "random"],
+                   help="radixray fleets: run once per policy (repeat the flag), switching the "
+                   "router and flushing the caches before each run")
+    p.add_argument("--session-header", action=argparse.BooleanOptionalAction, default=True,
+                   help="multi-turn: send X-Session-Id with each turn")
     p.add_argument("--disable-tqdm", action="store_true")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=run_serve_bench)

@@ -166,6 +166,10 @@ def format_summary(s: dict) -> str:
     if s["total_cached_tokens"] is not None:
         lines += [row("Total cached tokens:", s["total_cached_tokens"]),
                   row("Cache hit rate (cached/input):", s["cache_hit_rate"])]
+    if s.get("server_hit_rate") is not None:
+        lines += [row("Server-side hit rate (counters):", s["server_hit_rate"]),
+                  row("Requests by worker:", ", ".join(
+                      f"{w} {n}" for w, n in s["requests_by_worker"].items()) or "-")]
     if s["goodput"] is not None:
         slo = ", ".join(f"{k} <= {s[f'slo_{k}_ms']:g} ms" for k in ("ttft", "tpot")
                         if s[f"slo_{k}_ms"] is not None)

@@ -70,6 +70,44 @@ class ServerSection(BaseModel):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 
+class FleetSection(BaseModel):
+    """How many engine workers the controller starts, where, and how it watches them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    workers: int = Field(1, ge=1)
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    health_check_interval_s: float = Field(1.0, gt=0)
+    health_check_timeout_s: float = Field(10.0, gt=0)  # a ping that long unanswered: unhealthy
+    restart_dead_workers: bool = True
+    max_restarts: int = Field(20, ge=0)  # per worker; past it the worker stays dead
+
+
+class RouterSection(BaseModel):
+    """Which worker a request goes to, and what happens when that worker fails."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: Literal["cache_aware", "round_robin", "power_of_two", "random"] = "cache_aware"
+    cache_threshold: float = Field(0.3, ge=0, le=1)
+    balance_abs_threshold: int = Field(64, ge=0)
+    balance_rel_threshold: float = Field(1.5, ge=1)
+    max_tree_size: int = Field(2 ** 26, ge=1)  # characters per worker
+    eviction_interval_s: float = Field(120.0, gt=0)
+    session_affinity: bool = True  # the X-Session-Id header pins a conversation to a worker
+    max_sessions: int = Field(100_000, ge=1)
+    retry_max_attempts: int = Field(3, ge=1)
+    retry_backoff_s: float = Field(0.1, ge=0)  # doubles per retry, capped at 2 s
+    circuit_failure_threshold: int = Field(5, ge=1)
+    circuit_cooldown_s: float = Field(30.0, gt=0)
+
+    def settings(self):
+        """The routing core's settings (radixray.cluster.routing.RouterSettings)."""
+        from radixray.cluster.routing import RouterSettings
+        keep = {f for f in RouterSettings.__dataclass_fields__}
+        return RouterSettings(**{k: v for k, v in self.model_dump().items() if k in keep})
+
+
 class ServeConfig(BaseModel):
     """Everything ``radixray serve`` / ``radixray.build_app`` needs."""
 
@@ -77,6 +115,8 @@ class ServeConfig(BaseModel):
 
     engine: EngineSection = Field(default_factory=EngineSection)
     server: ServerSection = Field(default_factory=ServerSection)
+    fleet: FleetSection = Field(default_factory=FleetSection)
+    router: RouterSection = Field(default_factory=RouterSection)
     app_name: str = "radixray"
     namespace: str = "radixray"
 
@@ -108,8 +148,11 @@ class ServeConfig(BaseModel):
             raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
         return cls.parse(merge(data, overrides or {}))
 
-    def worker_name(self, index: int = 0) -> str:
-        return f"{self.app_name}-worker-{index}"
+    def controller_name(self) -> str:
+        return f"{self.app_name}-controller"
+
+    def router_name(self) -> str:
+        return f"{self.app_name}-router"
 
 
 def merge(base: dict, extra: dict) -> dict:

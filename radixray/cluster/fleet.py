@@ -1,10 +1,8 @@
-"""Where the ingress finds its engine worker(s).
+"""Where callers find the fleet: the controller actor of an app (and through it the router
+and the workers).
 
-Today a single named EngineWorker actor per app, created by the first ingress
-replica that needs it (``get_if_exists``) and found by name by every other
-replica and by the CLI (to drain it). The fleet issue moves ownership to a
-controller actor; callers only use :func:`get_or_create_worker` and
-:func:`find_worker`.
+The first ingress replica creates the controller (a named actor, ``get_if_exists``);
+every other replica, the CLI (to drain) and admin scripts find it by name.
 """
 
 from __future__ import annotations
@@ -12,21 +10,28 @@ from __future__ import annotations
 from radixray.cluster.config import ServeConfig
 
 
-def get_or_create_worker(cfg: ServeConfig, index: int = 0):
-    """Handle of worker ``index``, starting it (and loading the model) if nobody has."""
-    from radixray.actors.engine_worker import worker_actor_class
-    worker_id = f"worker-{index}"
-    return worker_actor_class().options(
-        name=cfg.worker_name(index), namespace=cfg.namespace, get_if_exists=True,
-        num_cpus=cfg.server.worker_num_cpus, num_gpus=cfg.server.worker_num_gpus,
+def get_or_create_controller(cfg: ServeConfig):
+    """Handle of the app's controller, creating it if nobody has (call ``start`` on it)."""
+    from radixray.actors.controller import controller_actor_class
+    return controller_actor_class().options(
+        name=cfg.controller_name(), namespace=cfg.namespace, get_if_exists=True, num_cpus=0,
         max_concurrency=1000,
-    ).remote(cfg.engine.engine_options(), worker_id, cfg.server.warmup, cfg.server.log_level)
+    ).remote(cfg.model_dump())
 
 
-def find_worker(cfg: ServeConfig, index: int = 0):
-    """Handle of a running worker, or None."""
+def find_controller(cfg: ServeConfig):
+    """Handle of the running controller, or None."""
     import ray
     try:
-        return ray.get_actor(cfg.worker_name(index), namespace=cfg.namespace)
+        return ray.get_actor(cfg.controller_name(), namespace=cfg.namespace)
+    except ValueError:
+        return None
+
+
+def find_router(cfg: ServeConfig):
+    """Handle of the running router (the controller creates it during ``start``), or None."""
+    import ray
+    try:
+        return ray.get_actor(cfg.router_name(), namespace=cfg.namespace)
     except ValueError:
         return None

@@ -12,8 +12,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from radixray.cluster.dispatch import Dispatcher, ids_route_text
 from radixray.cluster.errors import WorkerDraining, WorkerUnavailable
-from radixray.cluster.worker_client import WorkerClient
 from radixray.engine.detokenizer import IncrementalDetokenizer
 
 
@@ -58,12 +58,15 @@ class Choice:
     text: str = ""
     meta: dict | None = None
     error: str | None = None
+    error_status: int = 500
 
     def add(self, update: dict) -> str:
         """Apply one update; return the new releasable text."""
         if "error" in update:
             self.error = update["error"]
+            self.error_status = update.get("status", 500)
             return ""
+
         ids = update["ids"]
         self.output_ids.extend(ids)
         self.logprobs.extend(update.get("logprobs", ()))
@@ -84,16 +87,15 @@ class Choice:
 class Frontend:
     """Everything an HTTP handler needs from this ingress replica."""
 
-    def __init__(self, tokenizer, info: dict, served_model_name: str, client: WorkerClient,
+    def __init__(self, tokenizer, info: dict, served_model_name: str, dispatcher: Dispatcher,
                  enable_cache_report: bool = True):
         self.tokenizer = tokenizer
         self.context_len = info["context_len"]
         self.vocab_size = info["vocab_size"]
         self.model_path = info["model"]
         self.served_model_name = served_model_name
-        self.client = client
+        self.dispatcher = dispatcher
         self.enable_cache_report = enable_cache_report
-        self.draining = False
 
     # ---- validation ------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -124,7 +126,8 @@ class Frontend:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True)
 
-    def chat_ids(self, messages: list[dict]) -> list[int]:
+    def chat_ids(self, messages: list[dict]) -> tuple[list[int], str]:
+        """Token ids of the templated conversation, and its text (the routing key)."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions",
                            param="messages")
@@ -134,22 +137,25 @@ class Frontend:
         except Exception as exc:  # template errors come from user-supplied message shapes
             raise ApiError(400, f"the chat template rejected the messages: {exc}",
                            param="messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=False), text
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
     # ---- running -----------------------------------------------------------------------
     async def start(self, prompts: list[list[int]], params: list[dict], priority=None,
-                    rids: list[str] | None = None) -> tuple[list[Choice], list[AsyncIterator]]:
-        """Submit one request per (prompt, params); raise ApiError if the worker refuses."""
-        if self.draining or self.client.draining:
-            raise api_error_from(WorkerDraining("draining"))
+                    rids: list[str] | None = None, route_text: str | None = None,
+                    session_id: str | None = None) -> tuple[list[Choice], list[AsyncIterator]]:
+        """Submit one request per (prompt, params) to one worker; raise ApiError if no
+        worker takes them. ``route_text`` (default: the first prompt's ids as characters)
+        is what the router matches; ``session_id`` pins a conversation to a worker."""
         rids = rids or [uuid.uuid4().hex for _ in prompts]
         requests = [{"rid": rid, "input_ids": ids, "sampling_params": sp, "priority": priority}
                     for rid, ids, sp in zip(rids, prompts, params)]
+        if route_text is None:
+            route_text = ids_route_text(prompts[0])
         try:
-            streams = await self.client.run(requests)
+            streams = await self.dispatcher.run(requests, route_text, session_id)
         except Exception as exc:
             raise api_error_from(exc) from None
         choices = [Choice(i, rid, ids, IncrementalDetokenizer(
@@ -172,7 +178,8 @@ class Frontend:
         await self.run_to_end(choices, streams)
         failed = next((c for c in choices if c.error), None)
         if failed:
-            raise ApiError(500, failed.error, type="server_error")
+            kind = "service_unavailable" if failed.error_status == 503 else "server_error"
+            raise ApiError(failed.error_status, failed.error, type=kind)
 
     async def interleave(self, choices: list[Choice], streams: list[AsyncIterator]):
         """Yield (choice, delta text, update) as updates arrive from any choice."""

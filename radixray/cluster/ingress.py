@@ -2,8 +2,11 @@
 import annotations` here: FastAPI must see the real annotation objects).
 
 Routes: POST /v1/chat/completions, /v1/completions, /generate, /flush_cache;
-GET /v1/models, /metrics, /health, /health_generate, /ready. Every error is an
-OpenAI-style ``{"error": {...}}`` body; schema errors are 400 and name the field.
+GET /v1/models, /metrics, /health, /health_generate, /ready; fleet admin: GET
+/fleet, POST /fleet/workers/{id}/drain, /fleet/workers/{id}/resume, /fleet/router.
+Every error is an OpenAI-style ``{"error": {...}}`` body; schema errors are 400
+and name the field. The generation routes read an ``X-Session-Id`` header: with
+session affinity on, requests of one session go to one worker.
 """
 
 
@@ -12,7 +15,7 @@ import gc
 import logging
 import time
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
@@ -20,7 +23,12 @@ from ray import serve
 from radixray.cluster import native_serving, openai_serving
 from radixray.cluster.config import ServeConfig
 from radixray.cluster.frontend import ApiError, Frontend, api_error_from
-from radixray.cluster.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from radixray.cluster.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    RouterUpdate,
+)
 
 logger = logging.getLogger("radixray.ingress")
 
@@ -76,24 +84,25 @@ def _respond(result):
 
 @serve.ingress(app)
 class Ingress:
-    """One ingress replica: tokenizer + a channel to the engine worker."""
+    """One ingress replica: tokenizer + routed channels to the engine workers."""
 
     def __init__(self, config: dict):
         import ray
 
-        from radixray.cluster.fleet import get_or_create_worker
+        from radixray.cluster.dispatch import Dispatcher
+        from radixray.cluster.fleet import find_router, get_or_create_controller
         from radixray.cluster.metrics import FleetCollector
-        from radixray.cluster.worker_client import WorkerClient
         from radixray.engine.loader import resolve_model
 
         self.cfg = ServeConfig.parse(config)
         logging.basicConfig(level=self.cfg.server.log_level.upper(),
                             format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
-        self.worker = get_or_create_worker(self.cfg, 0)
-        info = ray.get(self.worker.info.remote())  # waits for the model to load
+        self.controller = get_or_create_controller(self.cfg)
+        info = ray.get(self.controller.start.remote())  # waits for the workers to load
         tokenizer = resolve_model(info["model"]).tokenizer
-        self.fe = Frontend(tokenizer, info, self.cfg.server.served_model_name,
-                           WorkerClient(self.worker, info["worker_id"]),
+        dispatcher = Dispatcher(self.controller, find_router(self.cfg),
+                                self.cfg.router.retry_max_attempts, self.cfg.router.retry_backoff_s)
+        self.fe = Frontend(tokenizer, info, self.cfg.server.served_model_name, dispatcher,
                            enable_cache_report=self.cfg.server.enable_cache_report)
         self.collector = FleetCollector()
         from prometheus_client import CollectorRegistry
@@ -112,7 +121,7 @@ class Ingress:
         async with self._start_lock:
             if not self._ready:
                 t0 = time.perf_counter()
-                await self.fe.client.start()
+                await self.fe.dispatcher.start()
                 if self.cfg.server.warmup:
                     await self._generate_one(timeout=300)
                 gc.collect()
@@ -129,24 +138,26 @@ class Ingress:
                                                [{"max_new_tokens": 1, "temperature": 0.0}])
         await asyncio.wait_for(self.fe.complete(choices, streams), timeout)
 
-    def _serving(self) -> bool:
-        return self._ready and self.fe.client.alive and not self.fe.client.draining
+    async def _serving(self) -> bool:
+        return self._ready and await self.fe.dispatcher.serving()
 
     # ---- APIs -----------------------------------------------------------------------
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest):
+    async def chat_completions(self, body: ChatCompletionRequest,
+                               x_session_id: str | None = Header(None)):
         await self._ensure_ready()
-        return _respond(await openai_serving.chat_completion(self.fe, body))
+        return _respond(await openai_serving.chat_completion(self.fe, body, x_session_id))
 
     @app.post("/v1/completions")
-    async def completions(self, body: CompletionRequest):
+    async def completions(self, body: CompletionRequest,
+                          x_session_id: str | None = Header(None)):
         await self._ensure_ready()
-        return _respond(await openai_serving.completion(self.fe, body))
+        return _respond(await openai_serving.completion(self.fe, body, x_session_id))
 
     @app.post("/generate")
-    async def generate(self, body: GenerateRequest):
+    async def generate(self, body: GenerateRequest, x_session_id: str | None = Header(None)):
         await self._ensure_ready()
-        return _respond(await native_serving.generate(self.fe, body))
+        return _respond(await native_serving.generate(self.fe, body, x_session_id))
 
     @app.get("/v1/models")
     async def models(self):
@@ -164,13 +175,13 @@ class Ingress:
                 self._start_task = asyncio.create_task(self._ensure_ready())
             detail = f"start-up failed: {error}" if error else "warming up"
             return JSONResponse({"status": "starting", "detail": detail}, status_code=503)
-        if not self._serving():
+        if not await self._serving():
             return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ready"}
 
     @app.get("/health")
     async def health(self):
-        if not self._serving():
+        if not await self._serving():
             return Response(status_code=503)
         if self.cfg.server.health_generates:
             return await self.health_generate()
@@ -178,7 +189,7 @@ class Ingress:
 
     @app.get("/health_generate")
     async def health_generate(self):
-        if not self._serving():
+        if not await self._serving():
             return Response(status_code=503)
         try:
             await self._generate_one(self.cfg.server.health_check_timeout_s)
@@ -189,22 +200,58 @@ class Ingress:
 
     @app.post("/flush_cache")
     async def flush_cache(self):
-        ok = await self.worker.flush_cache.remote()
-        if ok:
+        """Flush every live worker's radix cache (each refuses while it runs requests)."""
+        results = await self.controller.flush_cache.remote()
+        refused = sorted(w for w, ok in results.items() if ok is not True)
+        if not refused:
             return PlainTextResponse("Cache flushed.\n")
-        return PlainTextResponse("Cache not flushed: requests are running.\n", status_code=400)
+        return PlainTextResponse(f"Cache not flushed on {', '.join(refused)}: requests are "
+                                 "running.\n", status_code=400)
 
     @app.get("/metrics")
     async def metrics(self):
+        """Every live worker's series, the router's and the controller's, on one page."""
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-        families = await self.worker.metric_families.remote()
-        self.collector.update([families])
+        self.collector.update(await self.controller.metric_families.remote())
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/debug/kv_conservation")
     async def kv_conservation(self):
-        """Assert the worker's KV slot invariant now; returns the slot counts."""
-        return await self.worker.check_kv_conservation.remote()
+        """Assert each live worker's KV slot invariant now; slot counts by worker id
+        (a worker whose check failed has an ``error`` entry and the status is 500)."""
+        results = await self.controller.check_kv_conservation.remote()
+        failed = any("error" in r for r in results.values())
+        return JSONResponse(results, status_code=500 if failed else 200)
+
+    # ---- fleet admin ----------------------------------------------------------------
+    @app.get("/fleet")
+    async def fleet(self):
+        """Every worker's record (state, generation, restarts, load) and the router's state."""
+        return await self.controller.fleet_state.remote()
+
+    @app.post("/fleet/workers/{worker_id}/drain")
+    async def drain_worker(self, worker_id: str):
+        """Send no new requests to the worker; its in-flight requests finish."""
+        return await self._admin(self.controller.drain_worker.remote(worker_id))
+
+    @app.post("/fleet/workers/{worker_id}/resume")
+    async def resume_worker(self, worker_id: str):
+        return await self._admin(self.controller.resume_worker.remote(worker_id))
+
+    @app.post("/fleet/router")
+    async def set_router(self, body: RouterUpdate):
+        """Switch the routing policy (clears the prefix tree and the session map)."""
+        return await self._admin(self.controller.set_policy.remote(body.policy))
+
+    async def _admin(self, call):
+        from radixray.cluster.errors import unwrap_ray_error
+        try:
+            return await call
+        except Exception as exc:  # noqa: BLE001 - admin errors name the problem
+            err = unwrap_ray_error(exc)
+            status = 404 if isinstance(err, KeyError) else 400
+            raise ApiError(status, str(err).strip("'\""), param="worker_id"
+                           if status == 404 else None) from None
 
 
 def ingress_deployment(cfg: ServeConfig):

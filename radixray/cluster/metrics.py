@@ -144,3 +144,50 @@ class FleetCollector:
 
     def describe(self):
         return []
+
+
+def controller_families(registry) -> list[Metric]:
+    """Fleet-level series from the controller's registry."""
+    workers = GaugeMetricFamily(PREFIX + "fleet_workers", "Engine workers by state.",
+                                labels=["state"])
+    for state, n in registry.counts().items():
+        workers.add_metric([state], float(n))
+    restarts = CounterMetricFamily(PREFIX + "worker_restarts", "Times the controller restarted "
+                                   "a worker after its actor died.", labels=["worker"])
+    for rec in registry:
+        restarts.add_metric([rec.worker_id], float(rec.restarts))
+    return [workers, restarts]
+
+
+def router_families(state: dict, retries: int) -> list[Metric]:
+    """The router's series, from :meth:`radixray.cluster.routing.Router.state`."""
+    picks = CounterMetricFamily(PREFIX + "router_requests", "Requests the router sent to each "
+                                "worker.", labels=["worker"])
+    for worker, n in sorted(state["picks"].items()):
+        picks.add_metric([worker], float(n))
+    decisions = CounterMetricFamily(PREFIX + "router_decisions", "Routing decisions by reason "
+                                    "(cache_match, imbalance, low_match, affinity, or the "
+                                    "policy's name).", labels=["reason"])
+    for reason, n in sorted(state["decisions"].items()):
+        decisions.add_metric([reason], float(n))
+    retried = CounterMetricFamily(PREFIX + "router_retries", "Requests placed again after a "
+                                  "failed or refused attempt.")
+    retried.add_metric([], float(retries))
+    load = GaugeMetricFamily(PREFIX + "router_worker_load", "In-flight requests the router has "
+                             "sent to each worker and not yet seen finish.", labels=["worker"])
+    loads = {w: s["load"] for w, s in state["workers"].items()}
+    loads.update(state.get("inflight_departed", {}))
+    for worker, n in sorted(loads.items()):
+        load.add_metric([worker], float(n))
+    out = [picks, decisions, retried, load]
+    for name, value, doc in (
+            ("router_open_circuits", len(state["open_circuits"]),
+             "Workers skipped after consecutive failures."),
+            ("router_tree_size_chars", state["tree"]["chars"],
+             "Characters in the router's prefix tree."),
+            ("router_tree_nodes", state["tree"]["nodes"], "Nodes in the router's prefix tree."),
+            ("router_sessions", state["sessions"], "Sessions pinned to a worker.")):
+        g = GaugeMetricFamily(PREFIX + name, doc)
+        g.add_metric([], float(value))
+        out.append(g)
+    return out

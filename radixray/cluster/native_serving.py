@@ -60,7 +60,7 @@ def _result(fe: Frontend, c: Choice, with_logprobs: bool) -> dict:
     return {"text": c.text, "output_ids": list(c.output_ids), "meta_info": _meta(fe, c, with_logprobs)}
 
 
-async def generate(fe: Frontend, req: GenerateRequest):
+async def generate(fe: Frontend, req: GenerateRequest, session_id: str | None = None):
     prompts, is_batch = _prompts(fe, req)
     params = _params(req, len(prompts))
     for ids, sp in zip(prompts, params):
@@ -73,7 +73,9 @@ async def generate(fe: Frontend, req: GenerateRequest):
         if is_batch:
             raise ApiError(400, "rid is only accepted with a single prompt", param="rid")
         rids = [req.rid]
-    choices, streams = await fe.start(prompts, params, priority=req.priority, rids=rids)
+    text = req.text if isinstance(req.text, str) else None
+    choices, streams = await fe.start(prompts, params, priority=req.priority, rids=rids,
+                                      route_text=text, session_id=session_id)
     if req.stream:
         return _stream(fe, req, choices, streams)
     await fe.complete(choices, streams)

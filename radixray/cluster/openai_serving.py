@@ -78,10 +78,10 @@ def completion_logprobs(fe: Frontend, ids, lps, tops, offset: int = 0) -> dict:
 
 
 # ---- /v1/chat/completions ---------------------------------------------------------------
-async def chat_completion(fe: Frontend, req: ChatCompletionRequest):
+async def chat_completion(fe: Frontend, req: ChatCompletionRequest, session_id: str | None = None):
     fe.check_model(req.model)
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    ids = fe.chat_ids(messages)
+    ids, text = fe.chat_ids(messages)
     max_tokens = fe.check_prompt(ids, req.max_completion_tokens or req.max_tokens, "messages")
     params = []
     for i in range(req.n):
@@ -90,7 +90,8 @@ async def chat_completion(fe: Frontend, req: ChatCompletionRequest):
             sp["return_logprob"] = True
             sp["top_logprobs_num"] = req.top_logprobs or 0
         params.append(sp)
-    choices, streams = await fe.start([ids] * req.n, params)
+    choices, streams = await fe.start([ids] * req.n, params, route_text=text,
+                                      session_id=session_id)
     rid = f"chatcmpl-{choices[0].rid}"
     if req.stream:
         return _chat_stream(fe, req, rid, choices, streams)
@@ -151,7 +152,7 @@ def completion_prompts(fe: Frontend, prompt) -> list[list[int]]:
     return [completion_prompts(fe, p)[0] for p in prompt]
 
 
-async def completion(fe: Frontend, req: CompletionRequest):
+async def completion(fe: Frontend, req: CompletionRequest, session_id: str | None = None):
     fe.check_model(req.model)
     if req.echo or req.suffix:
         raise ApiError(400, "echo and suffix are not supported", param="echo" if req.echo else "suffix")
@@ -166,7 +167,8 @@ async def completion(fe: Frontend, req: CompletionRequest):
                 sp["top_logprobs_num"] = req.logprobs
             all_ids.append(ids)
             params.append(sp)
-    choices, streams = await fe.start(all_ids, params)
+    text = req.prompt if isinstance(req.prompt, str) else None
+    choices, streams = await fe.start(all_ids, params, route_text=text, session_id=session_id)
     rid = f"cmpl-{choices[0].rid}"
     if req.stream:
         return _completion_stream(fe, req, rid, choices, streams)

@@ -109,3 +109,11 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     rid: str | None = None
     priority: int | None = None
+
+
+class RouterUpdate(BaseModel):
+    """POST /fleet/router: change the routing policy at run time."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: Literal["cache_aware", "round_robin", "power_of_two", "random"]

@@ -29,6 +29,7 @@ _FLAG_FIELDS = {
     "served_model_name": ("server", "served_model_name"),
     "ingress_replicas": ("server", "ingress_replicas"),
     "log_level": ("server", "log_level"),
+    "workers": ("fleet", "workers"), "router_policy": ("router", "policy"),
 }
 
 
@@ -49,6 +50,11 @@ def add_parser(sub) -> None:
     p.add_argument("--served-model-name")
     p.add_argument("--ingress-replicas", type=int)
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--workers", type=int, help="engine workers (default 1), each with its own "
+                   "model copy and KV pool")
+    p.add_argument("--router-policy",
+                   choices=["cache_aware", "round_robin", "power_of_two", "random"],
+                   help="how requests are spread over the workers (default cache_aware)")
     p.add_argument("--address", help="join a running Ray cluster (default: start a local one)")
     p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray instance")
     p.add_argument("--drain-timeout", type=float, default=None,
@@ -130,26 +136,26 @@ print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'co
 
 
 def drain_and_exit(cfg, stop: threading.Event, timeout: float | None) -> int:
-    """Drain every worker (finish in-flight, refuse new), then shut Serve and Ray down."""
+    """Drain the fleet (finish in-flight, refuse new), then shut Serve and Ray down."""
     import ray
     from ray import serve
 
-    from radixray.cluster.fleet import find_worker
-    worker = find_worker(cfg)
-    if worker is not None:
-        remaining = ray.get(worker.drain.remote())
+    from radixray.cluster.fleet import find_controller
+    controller = find_controller(cfg)
+    if controller is not None:
+        remaining = ray.get(controller.drain_all.remote())
         deadline = None if timeout is None else time.monotonic() + timeout
         last_log = 0.0
         while remaining:
             if time.monotonic() - last_log >= 5:
-                rids = ray.get(worker.inflight_rids.remote())
+                rids = ray.get(controller.inflight_rids.remote())
                 logger.warning("Gracefully exiting... remaining requests: %d %s", remaining, rids)
                 last_log = time.monotonic()
             if deadline is not None and time.monotonic() > deadline:
                 logger.warning("drain timeout: %d request(s) cut off", remaining)
                 break
             time.sleep(0.25)
-            remaining = ray.get(worker.num_inflight.remote())
+            remaining = ray.get(controller.num_inflight.remote())
         time.sleep(1.0)  # let the ingress write the last chunks to its clients
     logger.warning("Gracefully exiting... remaining requests: 0")
     serve.shutdown()

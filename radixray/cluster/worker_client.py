@@ -32,7 +32,11 @@ class WorkerClient:
     async def start(self) -> None:
         """Open the channel and wait for the worker's hello."""
         self._gen = self.handle.stream.options(num_returns="streaming").remote(self.channel_id)
-        hello = await (await self._gen.__anext__())
+        try:
+            hello = await (await self._gen.__anext__())
+        except Exception as exc:  # the worker is dead or restarting
+            raise WorkerUnavailable(f"cannot open a channel to engine worker {self.worker_id}: "
+                                    f"{unwrap_ray_error(exc)}") from None
         self.draining = bool(hello.get("draining"))
         self.alive = True
         self._pump = asyncio.create_task(self._read(), name=f"pump-{self.worker_id}")
@@ -45,6 +49,8 @@ class WorkerClient:
                 if isinstance(msg, dict):
                     if msg.get("control") == "draining":
                         self.draining = True
+                    elif msg.get("control") == "open":
+                        self.draining = bool(msg.get("draining"))
                     continue
                 for update in msg:
                     q = self._queues.get(update["rid"])

@@ -20,7 +20,7 @@ def server(tiny_llama_dir):
     try:
         base = serve_app(tiny_config(tiny_llama_dir, free_port()))
         yield base
-        kv = httpx.get(f"{base}/debug/kv_conservation", timeout=60).json()
+        kv = httpx.get(f"{base}/debug/kv_conservation", timeout=60).json()["worker-0"]
         assert kv["running"] == 0 and kv["waiting"] == 0
     finally:
         serve.shutdown()
@@ -226,7 +226,7 @@ def test_client_disconnect_aborts_and_returns_kv(server):
     assert any(line.startswith("data: ") for line in got)
     kv = None
     for _ in range(100):  # the abort reaches the worker asynchronously
-        kv = httpx.get(f"{server}/debug/kv_conservation", timeout=60).json()
+        kv = httpx.get(f"{server}/debug/kv_conservation", timeout=60).json()["worker-0"]
         if kv["running"] == 0 and kv["waiting"] == 0:
             break
         asyncio.run(asyncio.sleep(0.1))

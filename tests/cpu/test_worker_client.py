@@ -1,8 +1,9 @@
-"""The ingress side of a worker channel, against a stand-in actor handle (no Ray).
+"""The ingress side of worker channels and routing, against stand-in actor handles (no Ray).
 
 Covers what is hard to provoke on a real cluster: a health probe that times out
-cancels its request on the worker, and a worker that dies mid-request ends the
-request with an error instead of hanging it.
+cancels its request on the worker; a worker that dies mid-request ends the
+request with an error instead of hanging it; a request that fails before its
+first token is retried on another worker, and the router hears every outcome.
 """
 
 import asyncio
@@ -10,8 +11,10 @@ import asyncio
 import pytest
 from model_fixtures import byte_bpe_tokenizer
 
-from radixray.cluster.frontend import Frontend
-from radixray.cluster.worker_client import WorkerClient
+from radixray.cluster.dispatch import Dispatcher
+from radixray.cluster.errors import WorkerDraining
+from radixray.cluster.frontend import ApiError, Frontend
+from radixray.cluster.routing import NoWorkerAvailable
 
 
 class _Method:
@@ -26,12 +29,14 @@ class _Method:
 
 
 class FakeWorker:
-    """Speaks the EngineWorker channel protocol; ``script`` decides what a submit produces."""
+    """Speaks the EngineWorker channel protocol. ``on_submit`` decides what a submit does:
+    "silent" (never answers), "die" (the process dies), "token_then_die", "finish",
+    "draining" (refuses)."""
 
-    def __init__(self, die_after_submit: bool = False):
+    def __init__(self, on_submit: str = "silent"):
         self.aborted: list[list[str]] = []
         self.submitted: list[dict] = []
-        self.die_after_submit = die_after_submit
+        self.on_submit = on_submit
         self.outbox: asyncio.Queue | None = None
         self.stream = _Method(self._stream)
         self.submit = _Method(self._submit)
@@ -49,40 +54,127 @@ class FakeWorker:
             yield self._ref(await self.outbox.get())
 
     async def _submit(self, channel_id, requests):
+        if self.on_submit == "draining":
+            raise WorkerDraining("draining")
         self.submitted.extend(requests)
-        if self.die_after_submit:
+        rids = [r["rid"] for r in requests]
+        if self.on_submit == "token_then_die":
+            self.outbox.put_nowait([{"rid": rid, "ids": [7]} for rid in rids])
+        if self.on_submit in ("die", "token_then_die"):
             self.outbox.put_nowait(RuntimeError("worker process died"))
+        if self.on_submit == "finish":
+            self.outbox.put_nowait([{"rid": rid, "ids": [7, 8], "meta": {"id": rid}}
+                                    for rid in rids])
 
 
-def _frontend(worker: FakeWorker) -> Frontend:
+class FakeRouter:
+    """Picks the first worker not excluded, in a fixed order; records releases."""
+
+    def __init__(self, order: list[str]):
+        self.order = order
+        self.released: list[tuple[str, object]] = []
+        self.picks: list[tuple[str, bool]] = []
+        self.pick = _Method(self._pick)
+        self.release = _Method(lambda w, ok: self.released.append((w, ok)))
+
+    async def _pick(self, text, session_id, exclude, retry):
+        for w in self.order:
+            if w not in exclude:
+                self.picks.append((w, retry))
+                return w, "test"
+        raise NoWorkerAvailable("all excluded")
+
+
+class FakeController:
+    def __init__(self, workers: dict[str, FakeWorker]):
+        self.workers = workers
+        self.worker = _Method(self._worker)
+        self.live_workers = _Method(self._live)
+        self.health = _Method(self._health)
+
+    async def _worker(self, worker_id):
+        return {"worker_id": worker_id, "handle": self.workers[worker_id], "generation": 0,
+                "state": "ready"}
+
+    async def _live(self):
+        return [await self._worker(w) for w in self.workers]
+
+    async def _health(self):
+        return {"draining": False, "routable": len(self.workers)}
+
+
+def _frontend(*workers: FakeWorker) -> tuple[Frontend, FakeRouter]:
+    named = {f"w{i}": w for i, w in enumerate(workers)}
+    router = FakeRouter(list(named))
+    dispatcher = Dispatcher(FakeController(named), router, max_attempts=3, backoff_s=0.0)
     info = {"context_len": 64, "vocab_size": 400, "model": "fake", "worker_id": "w0"}
-    return Frontend(byte_bpe_tokenizer(), info, "fake", WorkerClient(worker, "w0"))
+    return Frontend(byte_bpe_tokenizer(), info, "fake", dispatcher), router
+
+
+def _run(fe: Frontend, max_new_tokens: int = 4, timeout: float = 5):
+    async def main():
+        await fe.dispatcher.start()
+        choices, streams = await fe.start([[1, 2, 3]], [{"max_new_tokens": max_new_tokens}])
+        await asyncio.wait_for(fe.run_to_end(choices, streams), timeout)
+        return choices[0]
+    return asyncio.run(main())
 
 
 def test_timed_out_probe_aborts_its_request():
     worker = FakeWorker()  # never answers
-
-    async def main():
-        fe = _frontend(worker)
-        await fe.client.start()
-        choices, streams = await fe.start([[1, 2, 3]], [{"max_new_tokens": 1}])
-        with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(fe.run_to_end(choices, streams), 0.2)
-        return choices[0].rid, fe.client
-    rid, client = asyncio.run(main())
-    assert worker.aborted == [[rid]]
-    assert client._queues == {}  # nothing left waiting
+    fe, router = _frontend(worker)
+    with pytest.raises(asyncio.TimeoutError):
+        _run(fe, max_new_tokens=1, timeout=0.2)
+    assert worker.aborted == [[worker.submitted[0]["rid"]]]
+    assert fe.dispatcher.clients["w0"]._queues == {}  # nothing left waiting
+    assert router.released == [("w0", None)]  # a client that went away is no worker failure
 
 
 def test_worker_death_ends_requests_with_an_error():
-    worker = FakeWorker(die_after_submit=True)
+    worker = FakeWorker("token_then_die")
+    fe, router = _frontend(worker)
+    choice = _run(fe)
+    assert choice.finished and "worker process died" in choice.error
+    assert choice.output_ids == [7]  # a request that streamed tokens is not retried
+    assert not fe.dispatcher.clients["w0"].alive
+    assert router.released == [("w0", False)]
+
+
+def test_death_before_the_first_token_is_retried_on_another_worker():
+    dying, healthy = FakeWorker("die"), FakeWorker("finish")
+    fe, router = _frontend(dying, healthy)
+    choice = _run(fe)
+    assert choice.error is None and choice.output_ids == [7, 8]
+    assert choice.meta["worker_id"] == "w1"
+    assert [r["rid"] for r in healthy.submitted] == [choice.rid]
+    assert router.picks == [("w0", False), ("w1", True)]
+    assert router.released == [("w0", False), ("w1", True)]
+
+
+def test_draining_worker_refusal_is_retried_and_not_a_failure():
+    fe, router = _frontend(FakeWorker("draining"), FakeWorker("finish"))
+    choice = _run(fe)
+    assert choice.meta["worker_id"] == "w1"
+    assert router.released == [("w0", None), ("w1", True)]
+
+
+def test_out_of_attempts_is_a_clean_503():
+    fe, router = _frontend(FakeWorker("die"), FakeWorker("die"), FakeWorker("die"),
+                           FakeWorker("finish"))
+    choice = _run(fe)
+    assert choice.error_status == 503 and "retrying failed" in choice.error
+    assert [w for w, _ in router.picks] == ["w0", "w1", "w2"]  # max_attempts = 3
+    with pytest.raises(ApiError) as err:
+        asyncio.run(fe.complete([choice], []))
+    assert err.value.status == 503
+
+
+def test_no_worker_at_submit_is_a_503():
+    fe, _ = _frontend(FakeWorker("draining"))
 
     async def main():
-        fe = _frontend(worker)
-        await fe.client.start()
-        choices, streams = await fe.start([[1, 2, 3]], [{"max_new_tokens": 4}])
-        await asyncio.wait_for(fe.run_to_end(choices, streams), 5)
-        return choices[0], fe.client
-    choice, client = asyncio.run(main())
-    assert choice.finished and "worker process died" in choice.error
-    assert not client.alive
+        await fe.dispatcher.start()
+        await fe.start([[1, 2, 3]], [{"max_new_tokens": 2}])
+    with pytest.raises(ApiError) as err:
+        asyncio.run(main())
+    assert err.value.status == 503 and err.value.code == "draining"

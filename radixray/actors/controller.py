@@ -1,0 +1,311 @@
+"""Controller: the one actor that knows the whole fleet.
+
+It starts the engine workers (one placement-group bundle each), keeps the
+registry (:mod:`radixray.cluster.registry`), pings every live worker, restarts a
+worker whose actor died and re-registers it, drains and resumes workers on
+request, and tells the router which workers are routable after every change.
+Only the controller starts or stops workers; ingress replicas ask it for worker
+handles and route through the router actor it creates.
+
+It is a named async actor (``{app}-controller``), created by the first ingress
+replica that needs it; the workers and the router are its children.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from radixray.cluster.config import ServeConfig
+from radixray.cluster.errors import WorkerUnavailable, unwrap_ray_error
+from radixray.cluster.metrics import controller_families
+from radixray.cluster.registry import Registry, WorkerRecord
+
+logger = logging.getLogger("radixray.controller")
+
+LOAD_TIMEOUT_S = 30.0  # load() waits for a scheduler step; a long prefill step can take seconds
+
+
+class Controller:
+    def __init__(self, config: dict):
+        self.cfg = ServeConfig.parse(config)
+        logging.basicConfig(level=self.cfg.server.log_level.upper(),
+                            format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+        self.registry = Registry()
+        self.draining = False
+        self.router = None
+        self.placement_group = None
+        self._info: dict | None = None
+        self._start_task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    # ---- start-up -------------------------------------------------------------------
+    async def start(self) -> dict:
+        """Start the fleet once (later calls wait for the first); return worker-0's info
+        (model, context length, vocabulary) for the ingress."""
+        if self._start_task is None:
+            self._start_task = asyncio.create_task(self._start())
+        await asyncio.shield(self._start_task)
+        return self._info
+
+    async def _start(self) -> None:
+        from radixray.actors.router import router_actor_class
+        fleet = self.cfg.fleet
+        t0 = time.perf_counter()
+        bundle = self._bundle()
+        if bundle:
+            from ray.util import placement_group
+            self.placement_group = placement_group([dict(bundle)] * fleet.workers,
+                                                   strategy=fleet.placement_strategy,
+                                                   name=f"{self.cfg.app_name}-workers")
+            await self.placement_group.ready()
+        self.router = router_actor_class().options(
+            name=self.cfg.router_name(), namespace=self.cfg.namespace, get_if_exists=True,
+            num_cpus=0, max_concurrency=1000).remote(self.cfg.router.settings())
+        records = [self.registry.add(i) for i in range(fleet.workers)]
+        for rec in records:
+            self._launch(rec)
+        await asyncio.gather(*(self._await_ready(rec) for rec in records))
+        ready = [r for r in records if r.state == "ready"]
+        if not ready:
+            raise RuntimeError("no engine worker started: "
+                               + "; ".join(f"{r.worker_id}: {r.error}" for r in records))
+        self._info = await ready[0].handle.info.remote()
+        logger.info("fleet ready in %.1f s: %d/%d workers, policy %s, placement %s %s",
+                    time.perf_counter() - t0, len(ready), len(records), self.cfg.router.policy,
+                    fleet.placement_strategy, bundle or "(no bundle)")
+        self._spawn(self._health_loop())
+        await self._publish()
+
+    def _bundle(self) -> dict:
+        s = self.cfg.server
+        return {k: v for k, v in (("CPU", s.worker_num_cpus), ("GPU", s.worker_num_gpus)) if v > 0}
+
+    def _launch(self, rec: WorkerRecord) -> None:
+        """Create the worker actor for ``rec`` in its bundle (returns at once)."""
+        from radixray.actors.engine_worker import worker_actor_class
+        s = self.cfg.server
+        options = dict(num_cpus=s.worker_num_cpus, num_gpus=s.worker_num_gpus,
+                       max_concurrency=1000)
+        if self.placement_group is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                self.placement_group, placement_group_bundle_index=rec.index)
+        rec.handle = worker_actor_class().options(**options).remote(
+            self.cfg.engine.engine_options(), rec.worker_id, s.warmup, s.log_level,
+            cores_shared_by=self._workers_per_node())
+        rec.set_state("starting")
+        rec.started_at = time.time()
+        rec.ready_at = None
+
+    def _workers_per_node(self) -> int:
+        # PACK puts every bundle on one node when it fits (the local and single-node case);
+        # SPREAD strategies put one per node.
+        return 1 if "SPREAD" in self.cfg.fleet.placement_strategy else self.cfg.fleet.workers
+
+    async def _await_ready(self, rec: WorkerRecord) -> None:
+        """Wait for the worker's constructor (model load + warm-up); record the outcome."""
+        try:
+            info = await rec.handle.info.remote()
+        except Exception as exc:  # noqa: BLE001 - any start-up failure marks the slot dead
+            rec.error = f"start-up failed: {unwrap_ray_error(exc)}"
+            rec.set_state("dead")
+            logger.error("worker %s (generation %d) %s", rec.worker_id, rec.generation, rec.error)
+            return
+        rec.set_state("draining" if self.draining else "ready")
+        rec.healthy, rec.last_ping_at = True, time.time()
+        if self.draining:
+            await rec.handle.drain.remote()
+        logger.info("worker %s ready (generation %d, pool %d tokens)", rec.worker_id,
+                    rec.generation, info["max_total_tokens"])
+
+    # ---- health ---------------------------------------------------------------------
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _health_loop(self) -> None:
+        interval = self.cfg.fleet.health_check_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.check_health()
+            except Exception:  # noqa: BLE001 - the loop must outlive any one bad round
+                logger.exception("health check round failed")
+
+    async def check_health(self) -> None:
+        """Ping every live worker once; restart the dead ones; refresh loads."""
+        live = self.registry.live()
+        results = await asyncio.gather(*(self._ping(r) for r in live))
+        changed = False
+        for rec, alive in zip(live, results):
+            if not alive:
+                changed = True
+                self._spawn(self._replace(rec))
+        for rec in self.registry.in_state("dead"):
+            if rec not in live:  # died during start-up
+                changed = True
+                self._spawn(self._replace(rec))
+        if changed:
+            await self._publish()
+        await asyncio.gather(*(self._refresh_load(r) for r in self.registry.live()))
+
+    async def _ping(self, rec: WorkerRecord) -> bool:
+        """False when the actor is gone (then ``rec`` is marked dead)."""
+        try:
+            await asyncio.wait_for(rec.handle.ping.remote(), self.cfg.fleet.health_check_timeout_s)
+        except asyncio.TimeoutError:
+            if rec.healthy:
+                logger.warning("worker %s did not answer a ping within %.0f s", rec.worker_id,
+                               self.cfg.fleet.health_check_timeout_s)
+            rec.healthy = False
+            return True
+        except Exception as exc:  # noqa: BLE001 - RayActorError and friends: the actor is gone
+            rec.error = f"died: {unwrap_ray_error(exc)}"
+            rec.set_state("dead")
+            logger.error("worker %s (generation %d) %s", rec.worker_id, rec.generation, rec.error)
+            return False
+        rec.healthy, rec.last_ping_at = True, time.time()
+        return True
+
+    async def _refresh_load(self, rec: WorkerRecord) -> None:
+        try:
+            rec.load = await asyncio.wait_for(rec.handle.load.remote(), LOAD_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - a missing load figure is not a health verdict
+            pass
+
+    async def _replace(self, rec: WorkerRecord) -> None:
+        """Start a new actor in a dead worker's slot, or give up on it."""
+        import ray
+        if rec.state != "dead":
+            return
+        fleet = self.cfg.fleet
+        if not fleet.restart_dead_workers or rec.restarts >= fleet.max_restarts:
+            rec.set_state("failed")
+            logger.error("worker %s stays down (restarts %d, limit %d, restarts %s)",
+                         rec.worker_id, rec.restarts, fleet.max_restarts,
+                         "on" if fleet.restart_dead_workers else "off")
+            return
+        try:
+            ray.kill(rec.handle, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        rec.restarts += 1
+        rec.generation += 1
+        logger.warning("restarting worker %s (restart %d)", rec.worker_id, rec.restarts)
+        self._launch(rec)
+        await self._await_ready(rec)
+        await self._publish()
+
+    async def _publish(self) -> None:
+        """Tell the router which workers take new requests."""
+        if self.router is not None:
+            await self.router.set_workers.remote(self.registry.routable())
+
+    # ---- operations -----------------------------------------------------------------
+    async def worker(self, worker_id: str) -> dict:
+        """The handle of a worker that takes requests; WorkerUnavailable otherwise."""
+        rec = self.registry.get(worker_id)
+        if rec.state not in ("ready", "draining"):
+            raise WorkerUnavailable(f"engine worker {worker_id} is {rec.state}")
+        return {"worker_id": worker_id, "handle": rec.handle, "generation": rec.generation,
+                "state": rec.state}
+
+    async def live_workers(self) -> list[dict]:
+        return [await self.worker(r.worker_id) for r in self.registry.live()]
+
+    async def health(self) -> dict:
+        return {"draining": self.draining, "routable": len(self.registry.routable()),
+                "workers": self.registry.counts()}
+
+    async def drain_worker(self, worker_id: str) -> dict:
+        """Stop sending new requests to ``worker_id``; its in-flight requests finish."""
+        rec = self.registry.get(worker_id)
+        if rec.state not in ("ready", "draining"):
+            raise ValueError(f"worker {worker_id} is {rec.state}; only a ready worker drains")
+        rec.set_state("draining")
+        await self._publish()
+        inflight = await rec.handle.drain.remote()
+        logger.info("worker %s draining: %d request(s) in flight", worker_id, inflight)
+        return {"worker_id": worker_id, "state": rec.state, "inflight": inflight}
+
+    async def resume_worker(self, worker_id: str) -> dict:
+        rec = self.registry.get(worker_id)
+        if rec.state != "draining" or self.draining:
+            raise ValueError(f"worker {worker_id} is {rec.state}"
+                             + (" and the fleet is draining" if self.draining else "")
+                             + "; only a draining worker of a serving fleet resumes")
+        await rec.handle.resume.remote()
+        rec.set_state("ready")
+        await self._publish()
+        return {"worker_id": worker_id, "state": rec.state}
+
+    async def drain_all(self) -> int:
+        """Drain the whole fleet (shutdown); return the requests still in flight."""
+        self.draining = True
+        for rec in self.registry.in_state("ready"):
+            rec.set_state("draining")
+        await self._publish()
+        results = await asyncio.gather(*(r.handle.drain.remote() for r in self.registry.live()),
+                                       return_exceptions=True)
+        return sum(n for n in results if isinstance(n, int))
+
+    async def num_inflight(self) -> int:
+        results = await asyncio.gather(
+            *(r.handle.inflight_rids.remote() for r in self.registry.live()),
+            return_exceptions=True)
+        return sum(len(x) for x in results if isinstance(x, list))
+
+    async def inflight_rids(self) -> dict[str, list[str]]:
+        live = self.registry.live()
+        results = await asyncio.gather(*(r.handle.inflight_rids.remote() for r in live),
+                                       return_exceptions=True)
+        return {r.worker_id: x for r, x in zip(live, results) if isinstance(x, list) and x}
+
+    async def _on_each_live(self, method: str) -> dict:
+        live = self.registry.live()
+        results = await asyncio.gather(*(getattr(r.handle, method).remote() for r in live),
+                                       return_exceptions=True)
+        return {r.worker_id: (x if not isinstance(x, BaseException)
+                              else {"error": str(unwrap_ray_error(x))})
+                for r, x in zip(live, results)}
+
+    async def flush_cache(self) -> dict[str, bool]:
+        """Flush every live worker's radix cache; when all did, the router forgets its
+        prefix tree too (it would otherwise route to caches that no longer exist)."""
+        results = await self._on_each_live("flush_cache")
+        if self.router is not None and all(ok is True for ok in results.values()):
+            await self.router.forget_prefixes.remote()
+        return results
+
+    async def check_kv_conservation(self) -> dict:
+        """Every live worker's KV slot check (an error entry if its invariant broke)."""
+        return await self._on_each_live("check_kv_conservation")
+
+    async def set_policy(self, policy: str) -> dict:
+        await self.router.set_policy.remote(policy)
+        return {"policy": policy}
+
+    async def fleet_state(self) -> dict:
+        """The admin view: every worker's record plus the router's state."""
+        router = await self.router.state.remote() if self.router is not None else None
+        return {"app": self.cfg.app_name, "draining": self.draining,
+                "workers": [r.as_json() for r in self.registry], "router": router}
+
+    async def metric_families(self) -> list[list]:
+        """Prometheus families of every live worker, the router and the controller."""
+        live = self.registry.live()
+        results = await asyncio.gather(*(r.handle.metric_families.remote() for r in live),
+                                       return_exceptions=True)
+        out = [x for x in results if not isinstance(x, BaseException)]
+        if self.router is not None:
+            out.append(await self.router.metric_families.remote())
+        out.append(controller_families(self.registry))
+        return out
+
+
+def controller_actor_class():
+    import ray
+    return ray.remote(Controller)

@@ -1,0 +1,71 @@
+"""RouterActor: the fleet's one routing state (prefix tree, loads, circuits, sessions).
+
+A thin async actor around :class:`radixray.cluster.routing.Router`. Every
+ingress replica asks it for a worker (``pick``) and reports back when the
+request ends (``release``), so all replicas share one tree and one load view.
+Calls run one at a time on the actor's event loop; none blocks on I/O. A
+background task runs the tree's LRU eviction every ``eviction_interval_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from radixray.cluster.metrics import router_families
+from radixray.cluster.routing import Router, RouterSettings
+
+logger = logging.getLogger("radixray.router")
+
+
+class RouterActor:
+    def __init__(self, settings: RouterSettings):
+        self.router = Router(settings)
+        self.retries = 0
+        self._evictor: asyncio.Task | None = None
+
+    def _ensure_evictor(self) -> None:
+        if self._evictor is None:
+            self._evictor = asyncio.get_running_loop().create_task(self._evict_loop())
+
+    async def _evict_loop(self) -> None:
+        interval = self.router.settings.eviction_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            removed = self.router.maybe_evict()
+            if removed:
+                logger.info("router tree eviction removed %d characters", removed)
+
+    async def pick(self, text: str, session_id: str | None = None, exclude: list[str] = (),
+                   retry: bool = False) -> tuple[str, str]:
+        """(worker id, reason) for one request; raises NoWorkerAvailable. ``retry`` marks
+        a second or later attempt of a request (counted in the retries metric)."""
+        self._ensure_evictor()
+        if retry:
+            self.retries += 1
+        decision = self.router.pick(text, session_id, exclude)
+        return decision.worker, decision.reason
+
+    async def release(self, worker: str, ok: bool | None) -> None:
+        self.router.release(worker, ok)
+
+    async def set_workers(self, workers: list[str]) -> None:
+        self.router.set_workers(workers)
+
+    async def set_policy(self, policy: str) -> None:
+        self.router.set_policy(policy)
+        logger.info("routing policy set to %s", policy)
+
+    async def forget_prefixes(self) -> None:
+        self.router.forget_prefixes()
+
+    async def state(self) -> dict:
+        return {**self.router.state(), "retries": self.retries}
+
+    async def metric_families(self) -> list:
+        return router_families(self.router.state(), self.retries)
+
+
+def router_actor_class():
+    import ray
+    return ray.remote(RouterActor)

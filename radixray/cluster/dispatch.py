@@ -1,0 +1,187 @@
+"""Route requests to workers, with retries, from one ingress replica.
+
+:class:`Dispatcher` asks the router actor for a worker, opens (and reopens,
+after a restart) one :class:`WorkerClient` channel per worker, and submits.
+A request that fails before its first token is placed again on a worker it has
+not tried, up to ``max_attempts`` attempts in all, sleeping ``backoff_s``,
+doubling, between attempts:
+
+- at submit: the worker is draining (:class:`WorkerDraining`) or gone
+  (:class:`WorkerUnavailable`);
+- on the stream: the worker died before the request's first token.
+
+A request that already streamed tokens is never retried: its stream ends with
+an ``error`` update (an error event for SSE clients). Every pick is paired with
+one ``release`` to the router when the request group ends, reporting success
+or failure for the router's circuit breaker (a draining refusal or a client
+that went away counts as neither).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from collections.abc import AsyncIterator
+
+from radixray.cluster.errors import WorkerDraining, WorkerUnavailable, unwrap_ray_error
+from radixray.cluster.worker_client import WorkerClient
+
+logger = logging.getLogger("radixray.ingress")
+
+MAX_BACKOFF_S = 2.0
+
+
+def ids_route_text(ids: list[int]) -> str:
+    """Route text for requests given as token ids: one character per token."""
+    return "".join(map(chr, ids))
+
+
+class Lease:
+    """One router pick shared by the requests submitted together (n choices, a batch)."""
+
+    def __init__(self, router, worker: str, refs: int):
+        self.router, self.worker, self.refs = router, worker, refs
+        self.failed = self.succeeded = False
+
+    def done(self, ok: bool | None) -> None:
+        self.failed |= ok is False
+        self.succeeded |= ok is True
+        self.refs -= 1
+        if self.refs == 0:
+            outcome = False if self.failed else (True if self.succeeded else None)
+            self.router.release.remote(self.worker, outcome)
+
+
+class Dispatcher:
+    def __init__(self, controller, router, max_attempts: int = 3, backoff_s: float = 0.1,
+                 sleep=asyncio.sleep):
+        self.controller, self.router = controller, router
+        self.max_attempts, self.backoff_s, self._sleep = max_attempts, backoff_s, sleep
+        self.clients: dict[str, WorkerClient] = {}
+        self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    async def start(self) -> None:
+        """Open channels to every live worker now (later ones open on first use)."""
+        for entry in await self.controller.live_workers.remote():
+            await self.client(entry["worker_id"])
+
+    async def close(self) -> None:
+        for c in self.clients.values():
+            await c.close()
+
+    async def client(self, worker_id: str) -> WorkerClient:
+        """An open channel to ``worker_id``; reopened when the worker was restarted."""
+        c = self.clients.get(worker_id)
+        if c is not None and c.alive:
+            return c
+        async with self._locks[worker_id]:
+            c = self.clients.get(worker_id)
+            if c is not None and c.alive:
+                return c
+            try:
+                entry = await self.controller.worker.remote(worker_id)
+            except Exception as exc:
+                raise unwrap_ray_error(exc) from None
+            if c is not None:
+                await c.close()
+            c = WorkerClient(entry["handle"], worker_id)
+            await c.start()
+            self.clients[worker_id] = c
+            return c
+
+    async def serving(self) -> bool:
+        """True while the fleet is not draining and some worker takes requests."""
+        h = await self.controller.health.remote()
+        return not h["draining"] and h["routable"] > 0
+
+    # ---- placing requests ------------------------------------------------------------
+    async def run(self, requests: list[dict], route_text: str,
+                  session_id: str | None = None) -> list[AsyncIterator[dict]]:
+        """Place ``requests`` together on one worker; one update iterator per request.
+
+        Raises ValueError (bad input, from the worker), WorkerDraining (the whole
+        fleet drains) or WorkerUnavailable (no worker took it in ``max_attempts``).
+        """
+        tried: set[str] = set()
+        worker, streams, attempts = await self._place(requests, route_text, session_id, tried, 0)
+        lease = Lease(self.router, worker, len(requests))
+        return [self._follow(r, s, lease, route_text, session_id, tried, attempts)
+                for r, s in zip(requests, streams)]
+
+    async def _place(self, requests, route_text, session_id, tried: set[str], attempts: int):
+        last: Exception | None = None
+        while attempts < self.max_attempts:
+            if attempts:
+                await self._sleep(min(self.backoff_s * 2 ** (attempts - 1), MAX_BACKOFF_S))
+            attempts += 1
+            worker = await self._pick(route_text, session_id, tried, attempts > 1, last)
+            tried.add(worker)
+            try:
+                client = await self.client(worker)
+                return worker, await client.run(requests), attempts
+            except WorkerDraining as exc:
+                self.router.release.remote(worker, None)
+                last = exc
+            except WorkerUnavailable as exc:
+                self.router.release.remote(worker, False)
+                last = exc
+            except BaseException:
+                self.router.release.remote(worker, None)
+                raise
+            logger.warning("request not placed on %s (attempt %d/%d): %s", worker, attempts,
+                           self.max_attempts, last)
+        raise last
+
+    async def _pick(self, route_text, session_id, tried, retry: bool, last) -> str:
+        from radixray.cluster.routing import NoWorkerAvailable
+        try:
+            worker, _reason = await self.router.pick.remote(route_text, session_id,
+                                                            sorted(tried), retry)
+            return worker
+        except Exception as exc:
+            err = unwrap_ray_error(exc)
+            if not isinstance(err, NoWorkerAvailable):
+                raise err from None
+        if last is not None:
+            raise last
+        if (await self.controller.health.remote())["draining"]:
+            raise WorkerDraining("the fleet is draining and takes no new requests")
+        raise WorkerUnavailable(f"no engine worker is available: {err}")
+
+    async def _follow(self, request: dict, stream, lease: Lease, route_text, session_id,
+                      tried: set[str], attempts: int) -> AsyncIterator[dict]:
+        started, outcome = False, None
+        try:
+            while True:
+                failed = None
+                async for update in stream:
+                    if "error" in update and not started:
+                        failed = update
+                        break
+                    if "error" in update:
+                        outcome = False
+                    elif "meta" in update:
+                        update["meta"]["worker_id"] = lease.worker
+                        outcome = True
+                    started = True
+                    yield update
+                if failed is None:
+                    return
+                lease.done(False)
+                lease, outcome = None, None
+                logger.warning("request %s failed on a worker before its first token: %s",
+                               request["rid"], failed["error"])
+                try:
+                    worker, streams, attempts = await self._place(
+                        [request], route_text, session_id, tried, attempts)
+                except Exception as exc:  # noqa: BLE001 - out of attempts: a clean error
+                    yield {"rid": request["rid"], "ids": [], "status": 503,
+                           "error": f"{failed['error']}; retrying failed: {exc}"}
+                    return
+                await stream.aclose()
+                lease, stream = Lease(self.router, worker, 1), streams[0]
+        finally:
+            if lease is not None:
+                lease.done(outcome)
+            await stream.aclose()  # unfinished: aborts the request on its worker

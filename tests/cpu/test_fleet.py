@@ -1,0 +1,240 @@
+"""A fleet of two engine workers on a local Ray cluster: the controller, the router's
+policies, draining one worker, and a worker killed under load.
+
+One app serves the whole module (two tiny-Llama workers, one CPU each); the
+tests switch the routing policy through the admin endpoint and flush the caches
+between workloads.
+"""
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from serving_helpers import free_port, metric, serve_app, start_local_ray, tiny_config
+
+USERS, TURNS = 8, 4
+RESTART_DEADLINE_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_llama_dir):
+    import ray
+    from ray import serve
+    start_local_ray()
+    config = tiny_config(tiny_llama_dir, free_port())
+    config["fleet"] = {"workers": 2, "health_check_interval_s": 0.5}
+    config["router"] = {"retry_backoff_s": 0.05}
+    try:
+        yield serve_app(config)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _admin(base: str, path: str, body=None) -> dict:
+    r = httpx.post(base + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+
+
+def _cold(base: str, policy: str) -> None:
+    _admin(base, "/fleet/router", {"policy": policy})
+    assert httpx.post(f"{base}/flush_cache", timeout=60).status_code == 200
+
+
+def _state(base: str) -> dict:
+    return httpx.get(f"{base}/fleet", timeout=60).json()
+
+
+def _wait_idle(base: str) -> None:
+    """Until no worker runs or queues a request (aborts land asynchronously)."""
+    for _ in range(200):
+        kv = httpx.get(f"{base}/debug/kv_conservation", timeout=60)
+        assert kv.status_code == 200, kv.text  # every live worker's invariant holds
+        if all(w["running"] == 0 and w["waiting"] == 0 for w in kv.json().values()):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"workers still busy: {kv.json()}")
+
+
+async def _conversation(client, user: int, session: bool) -> list[tuple[int, int, int]]:
+    """TURNS chat turns of one user; (previous prompt tokens, cached tokens, prompt tokens)."""
+    messages = [{"role": "system", "content": f"You are assistant number {user} of {USERS}. "
+                 + " ".join(f"fact {user}-{i}" for i in range(12))}]
+    headers = {"X-Session-Id": f"user-{user}"} if session else None
+    out, prev_prompt = [], 0
+    for turn in range(TURNS):
+        messages.append({"role": "user", "content": f"turn {turn} of user {user}: "
+                         + " ".join(f"word{user * 31 + turn * 7 + i}" for i in range(10))})
+        r = await client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=6, temperature=0, extra_headers=headers)
+        usage = r.usage
+        out.append((prev_prompt, usage.prompt_tokens_details.cached_tokens, usage.prompt_tokens))
+        prev_prompt = usage.prompt_tokens
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+    return out
+
+
+def _coverage(turns: list[list[tuple[int, int, int]]]) -> list[float]:
+    """cached tokens / the previous turn's prompt, for every turn after the first."""
+    return [cached / prev for user in turns for prev, cached, _ in user[1:]]
+
+
+def _run_users(base: str, concurrent: bool) -> list[list[tuple[int, int, int]]]:
+    from openai import AsyncOpenAI
+
+    async def main():
+        client = AsyncOpenAI(base_url=f"{base}/v1", api_key="-", max_retries=0)
+        if concurrent:
+            return await asyncio.gather(*(_conversation(client, u, False) for u in range(USERS)))
+        return [await _conversation(client, u, False) for u in range(USERS)]
+    return asyncio.run(main())
+
+
+def test_cache_aware_keeps_each_conversation_on_one_worker(fleet):
+    _cold(fleet, "cache_aware")
+    before = httpx.get(f"{fleet}/metrics").text
+    turns = _run_users(fleet, concurrent=True)
+    cover = _coverage(turns)
+    assert min(cover) >= 0.9, cover
+    after = httpx.get(f"{fleet}/metrics").text
+    routed = {w: metric(after, "radixray:router_requests_total", worker=w)
+              - metric(before, "radixray:router_requests_total", worker=w)
+              for w in ("worker-0", "worker-1")}
+    assert sum(routed.values()) == USERS * TURNS and min(routed.values()) > 0, routed
+    assert metric(after, "radixray:router_decisions_total", reason="cache_match") - metric(
+        before, "radixray:router_decisions_total", reason="cache_match") >= USERS * (TURNS - 1)
+    # Both workers' series are on the one page, with the fleet's.
+    for w in ("worker-0", "worker-1"):
+        assert metric(after, "radixray:generation_tokens_total", worker=w) > 0
+    assert metric(after, "radixray:fleet_workers", state="ready") == 2
+    assert metric(after, "radixray:router_tree_size_chars") > 0
+    _wait_idle(fleet)
+
+
+def test_round_robin_scatters_conversations(fleet):
+    # One user at a time: round robin then alternates workers turn by turn, so turn t
+    # lands where turn t-1 did not run, and only turn t-2's shorter history can match.
+    _cold(fleet, "round_robin")
+    cover = _coverage(_run_users(fleet, concurrent=False))
+    assert max(cover) < 0.9, cover
+    state = _state(fleet)["router"]
+    assert state["policy"] == "round_robin" and state["decisions"].get("round_robin", 0) > 0
+    _cold(fleet, "cache_aware")
+
+
+def test_session_header_pins_a_conversation(fleet):
+    _cold(fleet, "round_robin")
+    workers = set()
+    for i in range(4):
+        r = httpx.post(f"{fleet}/generate", headers={"X-Session-Id": "pinned"}, json={
+            "text": f"unrelated prompt number {i}", "sampling_params": {"max_new_tokens": 2}},
+            timeout=60).json()
+        workers.add(r["meta_info"]["worker_id"])
+    assert len(workers) == 1  # affinity beats round robin
+    assert _state(fleet)["router"]["decisions"].get("affinity") == 3
+    _cold(fleet, "cache_aware")
+
+
+def _stream_generate(base: str, text: str, max_new_tokens: int, results: list) -> None:
+    """Stream /generate; append (status, last event or error, events)."""
+    body = {"text": text, "stream": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True}}
+    events = []
+    with httpx.stream("POST", f"{base}/generate", json=body, timeout=120) as r:
+        if r.status_code != 200:
+            r.read()
+            results.append((r.status_code, r.json(), events))
+            return
+        import json
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    results.append((200, events[-1] if events else None, events))
+
+
+def _busy_worker(base: str, want: str | None = None) -> str:
+    """A worker (``want``, if given) that the router has sent an unfinished request to."""
+    for _ in range(200):
+        loads = {w: s["load"] for w, s in _state(base)["router"]["workers"].items()}
+        busy = [w for w, n in loads.items() if n > 0 and want in (None, w)]
+        if busy:
+            return busy[0]
+        time.sleep(0.05)
+    raise AssertionError("no worker took the request")
+
+
+def test_drain_finishes_in_flight_and_routes_new_requests_elsewhere(fleet):
+    import threading
+    results: list = []
+    t = threading.Thread(target=_stream_generate, args=(fleet, "a long story", 400, results))
+    t.start()
+    drained = _busy_worker(fleet)
+    reply = _admin(fleet, f"/fleet/workers/{drained}/drain")
+    assert reply["state"] == "draining" and reply["inflight"] == 1
+    served = set()
+    for i in range(4):
+        r = httpx.post(f"{fleet}/generate", json={"text": f"a long story {i}",
+                       "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+        assert r.status_code == 200, r.text
+        served.add(r.json()["meta_info"]["worker_id"])
+    assert drained not in served
+    t.join(120)
+    status, last, _ = results[0]
+    assert status == 200 and last["meta_info"]["completion_tokens"] == 400
+    assert last["meta_info"]["worker_id"] == drained
+    bad = httpx.post(f"{fleet}/fleet/workers/worker-9/drain", timeout=60)
+    assert bad.status_code == 404 and "worker-9" in bad.json()["error"]["message"]
+    assert _admin(fleet, f"/fleet/workers/{drained}/resume")["state"] == "ready"
+    assert [w["state"] for w in _state(fleet)["workers"]] == ["ready", "ready"]
+    _wait_idle(fleet)
+
+
+def test_killed_worker_is_restarted_and_requests_end_cleanly(fleet):
+    import threading
+
+    import ray
+
+    from radixray.cluster.config import ServeConfig
+    from radixray.cluster.fleet import find_controller
+    controller = find_controller(ServeConfig.parse({}))
+    results: list = []
+    # Texts that share no prefix: cache_aware spreads them by load over both workers.
+    texts = ["alpha load", "bravo load", "charlie load", "delta load", "echo load", "fox load"]
+    threads = [threading.Thread(target=_stream_generate, args=(fleet, text, 900, results))
+               for text in texts]
+    for t in threads:
+        t.start()
+    _busy_worker(fleet, "worker-1")
+    victim = ray.get(controller.worker.remote("worker-1"))
+    ray.kill(victim["handle"], no_restart=True)
+    killed_at = time.monotonic()
+    for t in threads:
+        t.join(120)
+    assert len(results) == 6
+    for status, last, events in results:
+        if status != 200:  # not placed anywhere: an OpenAI-style 503
+            assert status == 503 and last["error"]["code"] == "worker_unavailable"
+        elif "error" in last:  # cut mid-stream: an explicit error event, never silence
+            assert last["error"]["type"] == "server_error" and len(events) >= 1
+        else:
+            assert last["meta_info"]["completion_tokens"] == 900
+    assert any(status == 200 and "error" not in last for status, last, _ in results)
+    # The controller notices, restarts the worker in its slot, and the fleet serves again.
+    while time.monotonic() - killed_at < RESTART_DEADLINE_S:
+        workers = {w["worker_id"]: w for w in _state(fleet)["workers"]}
+        if workers["worker-1"]["state"] == "ready" and workers["worker-1"]["generation"] == 1:
+            break
+        time.sleep(0.25)
+    else:
+        raise AssertionError(f"worker-1 not back within {RESTART_DEADLINE_S} s: {workers}")
+    assert workers["worker-1"]["restarts"] == 1 and "died" in workers["worker-1"]["error"]
+    _admin(fleet, "/fleet/workers/worker-0/drain")  # force the next request onto the new one
+    r = httpx.post(f"{fleet}/generate", json={"text": "back again",
+                   "sampling_params": {"max_new_tokens": 3}}, timeout=60)
+    assert r.status_code == 200 and r.json()["meta_info"]["worker_id"] == "worker-1", r.text
+    _admin(fleet, "/fleet/workers/worker-0/resume")
+    _wait_idle(fleet)  # KV conservation on every live worker
+    page = httpx.get(f"{fleet}/metrics").text
+    assert metric(page, "radixray:worker_restarts_total", worker="worker-1") == 1
