@@ -7,8 +7,12 @@ request, and tells the router which workers are routable after every change.
 Only the controller starts or stops workers; ingress replicas ask it for worker
 handles and route through the router actor it creates.
 
-It is a named async actor (``{app}-controller``), created by the first ingress
-replica that needs it; the workers and the router are its children.
+It is a named, detached async actor (``{app}-controller-{fleet key}``), created
+by the first ingress replica that needs it; the workers and the router are its
+children. Every ingress replica sends it a heartbeat; once none has for
+``fleet.owner_timeout_s`` (the app was deleted, or redeployed with a different
+fleet shape) it stops the workers and the router and exits. So no single
+replica's death takes the fleet down, and no fleet outlives its app.
 """
 
 from __future__ import annotations
@@ -39,11 +43,15 @@ class Controller:
         self._info: dict | None = None
         self._start_task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._owners: dict[str, float] = {}  # ingress replica -> last heartbeat (monotonic)
+        self._created = time.monotonic()
+        self._watchdog: asyncio.Task | None = None
 
     # ---- start-up -------------------------------------------------------------------
     async def start(self) -> dict:
         """Start the fleet once (later calls wait for the first); return worker-0's info
         (model, context length, vocabulary) for the ingress."""
+        self._ensure_watchdog()
         if self._start_task is None:
             self._start_task = asyncio.create_task(self._start())
         await asyncio.shield(self._start_task)
@@ -119,6 +127,48 @@ class Controller:
             await rec.handle.drain.remote()
         logger.info("worker %s ready (generation %d, pool %d tokens)", rec.worker_id,
                     rec.generation, info["max_total_tokens"])
+
+    # ---- ownership --------------------------------------------------------------------
+    async def heartbeat(self, owner: str) -> None:
+        """Ingress replica ``owner`` is alive and uses this fleet."""
+        self._owners[owner] = time.monotonic()
+        self._ensure_watchdog()
+
+    def _ensure_watchdog(self) -> None:
+        if self._watchdog is None:
+            self._watchdog = asyncio.create_task(self._watch_owners())
+
+    async def _watch_owners(self) -> None:
+        timeout = self.cfg.fleet.owner_timeout_s
+        while True:
+            await asyncio.sleep(min(timeout / 4, 5.0))
+            last = max(self._owners.values(), default=self._created)
+            if time.monotonic() - last > timeout:
+                logger.warning("no ingress replica of app %r for %.0f s: stopping the fleet",
+                               self.cfg.app_name, timeout)
+                await self.stop_fleet()
+                import ray
+                ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+                return
+
+    async def stop_fleet(self) -> None:
+        """Kill every worker and the router, release the placement group."""
+        import ray
+        for task in list(self._tasks):
+            task.cancel()
+        handles = [r.handle for r in self.registry if r.handle is not None] + [self.router]
+        for handle in handles:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        for rec in self.registry:
+            rec.set_state("failed")
+            rec.error = "fleet stopped"
+        if self.placement_group is not None:
+            from ray.util import remove_placement_group
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
 
     # ---- health ---------------------------------------------------------------------
     def _spawn(self, coro) -> None:

@@ -81,6 +81,9 @@ class FleetSection(BaseModel):
     health_check_timeout_s: float = Field(10.0, gt=0)  # a ping that long unanswered: unhealthy
     restart_dead_workers: bool = True
     max_restarts: int = Field(20, ge=0)  # per worker; past it the worker stays dead
+    # The controller outlives any one ingress replica; it stops the fleet once no ingress
+    # replica has sent a heartbeat for this long (the app was deleted or redeployed).
+    owner_timeout_s: float = Field(30.0, gt=0)
 
 
 class RouterSection(BaseModel):
@@ -148,11 +151,22 @@ class ServeConfig(BaseModel):
             raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
         return cls.parse(merge(data, overrides or {}))
 
+    def fleet_key(self) -> str:
+        """Short hash of everything that shapes the fleet (engine, fleet, router, worker
+        resources). A redeploy that changes any of it gets a new fleet; one that changes
+        only the HTTP side (port, ingress replicas) keeps the running one."""
+        import hashlib
+        import json
+        shape = {"engine": self.engine.model_dump(), "fleet": self.fleet.model_dump(),
+                 "router": self.router.model_dump(),
+                 "worker": [self.server.worker_num_cpus, self.server.worker_num_gpus]}
+        return hashlib.sha1(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:8]
+
     def controller_name(self) -> str:
-        return f"{self.app_name}-controller"
+        return f"{self.app_name}-controller-{self.fleet_key()}"
 
     def router_name(self) -> str:
-        return f"{self.app_name}-router"
+        return f"{self.app_name}-router-{self.fleet_key()}"
 
 
 def merge(base: dict, extra: dict) -> dict:

@@ -1,8 +1,11 @@
 """Where callers find the fleet: the controller actor of an app (and through it the router
 and the workers).
 
-The first ingress replica creates the controller (a named actor, ``get_if_exists``);
-every other replica, the CLI (to drain) and admin scripts find it by name.
+The first ingress replica creates the controller (a named, detached actor,
+``get_if_exists``); every other replica, the CLI (to drain) and admin scripts find
+it by name. The name carries :meth:`ServeConfig.fleet_key`, so a redeploy that
+changes the fleet's shape starts a new fleet, and the old one stops itself when its
+replicas stop sending heartbeats (:func:`start_heartbeats`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ def get_or_create_controller(cfg: ServeConfig):
     from radixray.actors.controller import controller_actor_class
     return controller_actor_class().options(
         name=cfg.controller_name(), namespace=cfg.namespace, get_if_exists=True, num_cpus=0,
-        max_concurrency=1000,
+        max_concurrency=1000, lifetime="detached",
     ).remote(cfg.model_dump())
 
 
@@ -35,3 +38,19 @@ def find_router(cfg: ServeConfig):
         return ray.get_actor(cfg.router_name(), namespace=cfg.namespace)
     except ValueError:
         return None
+
+
+def start_heartbeats(controller, owner: str, interval_s: float) -> None:
+    """Tell ``controller`` every ``interval_s`` that ingress replica ``owner`` still uses it
+    (a daemon thread: it beats while the replica's constructor blocks, and dies with it)."""
+    import threading
+    import time
+
+    def beat() -> None:
+        while True:
+            try:
+                controller.heartbeat.remote(owner)
+            except Exception:  # noqa: BLE001 - the controller may be restarting; keep beating
+                pass
+            time.sleep(interval_s)
+    threading.Thread(target=beat, name="controller-heartbeat", daemon=True).start()

@@ -14,6 +14,7 @@ import asyncio
 import gc
 import logging
 import time
+import uuid
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
@@ -90,7 +91,7 @@ class Ingress:
         import ray
 
         from radixray.cluster.dispatch import Dispatcher
-        from radixray.cluster.fleet import find_router, get_or_create_controller
+        from radixray.cluster.fleet import find_router, get_or_create_controller, start_heartbeats
         from radixray.cluster.metrics import FleetCollector
         from radixray.engine.loader import resolve_model
 
@@ -98,6 +99,8 @@ class Ingress:
         logging.basicConfig(level=self.cfg.server.log_level.upper(),
                             format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
         self.controller = get_or_create_controller(self.cfg)
+        start_heartbeats(self.controller, f"ingress-{uuid.uuid4().hex[:8]}",
+                         min(5.0, self.cfg.fleet.owner_timeout_s / 4))
         info = ray.get(self.controller.start.remote())  # waits for the workers to load
         tokenizer = resolve_model(info["model"]).tokenizer
         dispatcher = Dispatcher(self.controller, find_router(self.cfg),

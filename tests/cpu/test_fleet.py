@@ -15,6 +15,8 @@ from serving_helpers import free_port, metric, serve_app, start_local_ray, tiny_
 
 USERS, TURNS = 8, 4
 RESTART_DEADLINE_S = 30.0
+OWNER_TIMEOUT_S = 25.0  # longer than Serve takes to replace a dead replica (~10-15 s)
+CONFIG: dict = {}
 
 
 @pytest.fixture(scope="module")
@@ -22,14 +24,21 @@ def fleet(tiny_llama_dir):
     import ray
     from ray import serve
     start_local_ray()
-    config = tiny_config(tiny_llama_dir, free_port())
-    config["fleet"] = {"workers": 2, "health_check_interval_s": 0.5}
-    config["router"] = {"retry_backoff_s": 0.05}
+    CONFIG.update(tiny_config(tiny_llama_dir, free_port()))
+    CONFIG["fleet"] = {"workers": 2, "health_check_interval_s": 0.5,
+                       "owner_timeout_s": OWNER_TIMEOUT_S}
+    CONFIG["router"] = {"retry_backoff_s": 0.05}
     try:
-        yield serve_app(config)
+        yield serve_app(CONFIG)
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _controller():
+    from radixray.cluster.config import ServeConfig
+    from radixray.cluster.fleet import find_controller
+    return find_controller(ServeConfig.parse(CONFIG))
 
 
 def _admin(base: str, path: str, body=None) -> dict:
@@ -195,10 +204,7 @@ def test_killed_worker_is_restarted_and_requests_end_cleanly(fleet):
     import threading
 
     import ray
-
-    from radixray.cluster.config import ServeConfig
-    from radixray.cluster.fleet import find_controller
-    controller = find_controller(ServeConfig.parse({}))
+    controller = _controller()
     results: list = []
     # Texts that share no prefix: cache_aware spreads them by load over both workers.
     texts = ["alpha load", "bravo load", "charlie load", "delta load", "echo load", "fox load"]
@@ -238,3 +244,42 @@ def test_killed_worker_is_restarted_and_requests_end_cleanly(fleet):
     _wait_idle(fleet)  # KV conservation on every live worker
     page = httpx.get(f"{fleet}/metrics").text
     assert metric(page, "radixray:worker_restarts_total", worker="worker-1") == 1
+
+
+def test_fleet_survives_the_loss_of_an_ingress_replica(fleet):
+    """The replica that created the controller dies; Serve replaces it and the new replica
+    joins the same fleet: same controller, no worker restarted."""
+    import ray
+    from serving_helpers import wait_ready
+    before = {w["worker_id"]: w["started_at"] for w in _state(fleet)["workers"]}
+    controller_id = _controller()._actor_id
+    replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith("SERVE_REPLICA::radixray#Ingress")]
+    assert len(replicas) == 1
+    ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]),
+             no_restart=True)
+    time.sleep(2.0)
+    wait_ready(fleet, timeout=120)
+    r = httpx.post(f"{fleet}/generate", json={"text": "still here",
+                   "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert _controller()._actor_id == controller_id
+    assert {w["worker_id"]: w["started_at"] for w in _state(fleet)["workers"]} == before
+
+
+def test_deleting_the_app_stops_the_fleet(fleet):
+    """The controller is detached (no ingress replica's death takes the fleet down), so it
+    must notice when its app is gone: without heartbeats it stops the workers and exits."""
+    import ray
+    from ray import serve
+    controller = _controller()
+    workers = [e["handle"] for e in ray.get(controller.live_workers.remote())]
+    assert len(workers) == 2
+    serve.delete("radixray")
+    deadline = time.monotonic() + OWNER_TIMEOUT_S + 20
+    while _controller() is not None:
+        assert time.monotonic() < deadline, "the controller outlived its app"
+        time.sleep(0.5)
+    for handle in workers:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(handle.ping.remote(), timeout=30)

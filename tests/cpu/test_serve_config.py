@@ -49,3 +49,22 @@ def test_cli_flags_override_yaml(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("engine:\n  max_total_tokens: -3\n")
     assert serve_cli.cmd_serve(parser.parse_args(["serve", "--config", str(bad)])) == 2
+
+
+def test_fleet_key_follows_the_fleet_shape_only():
+    base = ServeConfig.parse({})
+    same = ServeConfig.parse({"server": {"port": 9100, "ingress_replicas": 3}})
+    assert same.controller_name() == base.controller_name()  # HTTP-side change: same fleet
+    for change in ({"engine": {"max_total_tokens": 1000}}, {"fleet": {"workers": 2}},
+                   {"router": {"policy": "round_robin"}}, {"server": {"worker_num_cpus": 2}}):
+        assert ServeConfig.parse(change).controller_name() != base.controller_name(), change
+    assert base.router_name().endswith(base.fleet_key())
+
+
+def test_fleet_and_router_sections_validate_with_field_names():
+    with pytest.raises(ConfigError, match="fleet.workers"):
+        ServeConfig.parse({"fleet": {"workers": 0}})
+    with pytest.raises(ConfigError, match="router.policy"):
+        ServeConfig.parse({"router": {"policy": "nearest"}})
+    assert ServeConfig.parse({"router": {"balance_abs_threshold": 2}}).router.settings() \
+        .balance_abs_threshold == 2
