@@ -28,6 +28,8 @@ class Conversation:
     ``prompt_len`` is the real token count of the first request's prompt text
     (system + first turn); later turns of a multi-turn conversation grow with the
     server's replies, so their length is only known at run time.
+    ``think_times[k]`` (multi-turn) is how long the user waits after the reply to
+    turn k before sending turn k+1.
     """
 
     index: int
@@ -38,6 +40,7 @@ class Conversation:
     session_id: str | None = None
     group: int | None = None
     turn_lens: list[int] = field(default_factory=list)
+    think_times: list[float] = field(default_factory=list)
 
 
 def count_tokens(tokenizer, text: str) -> int:
@@ -142,19 +145,25 @@ def build_shared_prefix(tokenizer, num_groups: int, prompts_per_group: int, syst
 
 
 def build_multi_turn(tokenizer, users: int, turns: int, turn_len: int, output_len: int,
-                     seed: int = 1) -> list[Conversation]:
+                     seed: int = 1, think_time: float = 0.0) -> list[Conversation]:
     """``users`` conversations of ``turns`` random user messages of ``turn_len`` tokens each.
 
     Session ids are ``user-<i>``. The runner builds each turn's prompt from the
-    history (earlier user messages and the server's actual replies).
+    history (earlier user messages and the server's actual replies). With
+    ``think_time`` > 0 each user pauses an exponentially distributed time with
+    that mean (seconds, seeded) between a reply and their next turn, which keeps
+    the offered load independent of how fast the server answers.
     """
     rng = random.Random(seed)
     sampler = sampler_for(tokenizer)
     items = []
     for u in range(users):
         texts, lens = zip(*(sampler.random_text(turn_len, rng) for _ in range(turns)))
+        thinks = [rng.expovariate(1.0 / think_time) if think_time > 0 else 0.0
+                  for _ in range(turns - 1)]
         items.append(Conversation(index=u, turns=list(texts), output_len=output_len,
-                                  prompt_len=lens[0], session_id=f"user-{u}", turn_lens=list(lens)))
+                                  prompt_len=lens[0], session_id=f"user-{u}", turn_lens=list(lens),
+                                  think_times=thinks))
     return items
 
 
@@ -181,6 +190,9 @@ def add_dataset_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--multiturn-turns", type=int, default=4)
     g.add_argument("--multiturn-turn-len", type=int, default=64, help="new user tokens per turn")
     g.add_argument("--multiturn-output-len", type=int, default=64)
+    g.add_argument("--multiturn-think-time", type=float, default=0.0,
+                   help="mean seconds a user waits between a reply and the next turn "
+                   "(exponential, seeded; 0 = send at once)")
 
 
 def build_from_args(args: argparse.Namespace, tokenizer) -> list[Conversation]:
@@ -197,7 +209,8 @@ def build_from_args(args: argparse.Namespace, tokenizer) -> list[Conversation]:
                                    args.gsp_output_len, args.seed, args.gsp_shuffle)
     if args.dataset == "multi-turn":
         return build_multi_turn(tokenizer, args.multiturn_users, args.multiturn_turns,
-                                args.multiturn_turn_len, args.multiturn_output_len, args.seed)
+                                args.multiturn_turn_len, args.multiturn_output_len, args.seed,
+                                args.multiturn_think_time)
     raise ValueError(f"--dataset: unknown dataset {args.dataset!r}")
 
 

@@ -266,6 +266,8 @@ async def run_benchmark(cfg: RunConfig, items: list[datasets.Conversation],
                     rec.error = "not sent: an earlier turn of this conversation failed"
                     bar.update(1)
                     continue
+                if turn and item.think_times:
+                    await asyncio.sleep(item.think_times[turn - 1])
                 prompt = build_prompt(cfg.api, item, turn, replies)
                 body = request_body(cfg.api, cfg.model, prompt, item.output_len,
                                     cfg.temperature, cfg.ignore_eos)

@@ -401,3 +401,20 @@ def test_cache_experiment_three_forms(fake, tok_dir, tmp_path, capsys):
     assert at_start["median_cached_tokens"] < 40
     ids = [e["body"]["messages"][0]["content"][11:27] for e in fake.log[5:8]]
     assert len(set(ids)) == 3 and all(len(i) == 16 for i in ids)
+
+
+def test_multi_turn_think_time_is_seeded_and_waited(fake, tok):
+    fake.reset()
+    convs = datasets.build_multi_turn(tok, users=2, turns=3, turn_len=4, output_len=2, seed=5,
+                                      think_time=0.2)
+    again = datasets.build_multi_turn(tok, users=2, turns=3, turn_len=4, output_len=2, seed=5,
+                                      think_time=0.2)
+    assert [c.think_times for c in convs] == [c.think_times for c in again]
+    assert all(len(c.think_times) == 2 and all(t > 0 for t in c.think_times) for c in convs)
+    cfg = serve_client.RunConfig(base_url=fake.url, model="fake-model", api="chat", warmup=0,
+                                 progress=False)
+    records, duration = asyncio.run(serve_client.run_benchmark(cfg, convs, lambda t: len(t)))
+    assert all(r.success for r in records)
+    assert duration >= max(sum(c.think_times) for c in convs)
+    assert datasets.build_multi_turn(tok, users=1, turns=2, turn_len=4,
+                                     output_len=2)[0].think_times == [0.0]
