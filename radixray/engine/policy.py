@@ -58,17 +58,19 @@ class InBatchPrefixes:
         self._heads: set[tuple[int, ...]] = set()
 
     @staticmethod
-    def _head(ids: list[int]) -> tuple[int, ...] | None:
+    def _head(req: Req) -> tuple[int, ...] | None:
+        # Slice the prompt rather than ``all_ids`` (which copies the whole sequence); a
+        # retracted request's short prompt continues into its output.
+        ids = req.prompt_ids if len(req.prompt_ids) >= IN_BATCH_PREFIX_DEFER else req.all_ids
         return tuple(ids[:IN_BATCH_PREFIX_DEFER]) if len(ids) >= IN_BATCH_PREFIX_DEFER else None
 
-    def add(self, ids: list[int]) -> None:
+    def add(self, req: Req) -> None:
         """Record a request that computes its prefix in this batch."""
-        head = self._head(ids) if self.enabled else None
+        head = self._head(req) if self.enabled else None
         if head is not None:
             self._heads.add(head)
 
-    def should_defer(self, ids: list[int], cached_len: int) -> bool:
-        if not self.enabled or cached_len > IN_BATCH_PREFIX_CHECK:
+    def should_defer(self, req: Req, cached_len: int) -> bool:
+        if not self.enabled or not self._heads or cached_len > IN_BATCH_PREFIX_CHECK:
             return False
-        head = self._head(ids)
-        return head is not None and head in self._heads
+        return self._head(req) in self._heads

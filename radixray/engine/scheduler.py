@@ -162,7 +162,7 @@ class Scheduler:
         if self.chunked_req is not None:
             req = self.chunked_req
             budget.add_chunk_continuation(req, req.seq_len - req.kv_len)
-            in_batch.add(req.all_ids)
+            in_batch.add(req)
         if budget.rem_chunk_tokens is not None and budget.rem_chunk_tokens <= 0:
             return self._allocate(budget.added)
         # lpm matches every waiting request to order them; reuse those matches below so a
@@ -179,7 +179,7 @@ class Scheduler:
                                 priority_first=self.config.enable_priority_scheduling)
         for req in ordered:
             match = matches.get(id(req)) or self.kv.match(req)
-            if in_batch.should_defer(req.all_ids, len(match.slots)):
+            if in_batch.should_defer(req, len(match.slots)):
                 continue
             if len(self.running) + len(budget.added) >= self.max_running:
                 if not self._preempt_for(req, budget):
@@ -210,7 +210,7 @@ class Scheduler:
             if req.admit_time is None:
                 req.admit_time = time.perf_counter()
             self.waiting.remove(req)
-            in_batch.add(req.all_ids)
+            in_batch.add(req)
             if result == AddResult.CHUNKED:
                 break
         return self._allocate(budget.added)

@@ -8,33 +8,39 @@ after that batch has run.
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 from radixray import Engine
 from radixray.engine.policy import IN_BATCH_PREFIX_CHECK, IN_BATCH_PREFIX_DEFER, InBatchPrefixes
 
 
+def R(ids: list[int]) -> SimpleNamespace:
+    """The two fields of a Req that the check reads (a fresh request: no output yet)."""
+    return SimpleNamespace(prompt_ids=ids, all_ids=ids)
+
+
 def test_defers_only_short_matches_sharing_a_batch_members_head():
     head = list(range(IN_BATCH_PREFIX_DEFER))
     batch = InBatchPrefixes(enabled=True)
-    assert not batch.should_defer(head + [1, 2], cached_len=0)  # nothing in the batch yet
-    batch.add(head + [7, 8, 9])
-    assert batch.should_defer(head + [1, 2], cached_len=0)
-    assert batch.should_defer(head + [1, 2], cached_len=IN_BATCH_PREFIX_CHECK)
+    assert not batch.should_defer(R(head + [1, 2]), cached_len=0)  # nothing in the batch yet
+    batch.add(R(head + [7, 8, 9]))
+    assert batch.should_defer(R(head + [1, 2]), cached_len=0)
+    assert batch.should_defer(R(head + [1, 2]), cached_len=IN_BATCH_PREFIX_CHECK)
     # A long cached match means the prefix is already shared: admit.
-    assert not batch.should_defer(head + [1, 2], cached_len=IN_BATCH_PREFIX_CHECK + 1)
+    assert not batch.should_defer(R(head + [1, 2]), cached_len=IN_BATCH_PREFIX_CHECK + 1)
     # Differs within the first IN_BATCH_PREFIX_DEFER tokens: admit.
-    assert not batch.should_defer([999] + head[1:] + [1], cached_len=0)
+    assert not batch.should_defer(R([999] + head[1:] + [1]), cached_len=0)
     # Too short to share a deferrable prefix.
     short = head[: IN_BATCH_PREFIX_DEFER - 1]
-    batch.add(short)
-    assert not batch.should_defer(short, cached_len=0)
+    batch.add(R(short))
+    assert not batch.should_defer(R(short), cached_len=0)
 
 
 def test_disabled_never_defers():
     head = list(range(IN_BATCH_PREFIX_DEFER))
     batch = InBatchPrefixes(enabled=False)
-    batch.add(head)
-    assert not batch.should_defer(head, cached_len=0)
+    batch.add(R(head))
+    assert not batch.should_defer(R(head), cached_len=0)
 
 
 def _group_prompts(vocab: int, groups: int, per_group: int, prefix_len: int, seed: int = 3):
