@@ -35,6 +35,7 @@ from radixray.bench.serve_metrics import (
     format_sweep_table,
     summarize,
 )
+from radixray.cluster.routing import POLICIES
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
@@ -436,7 +437,7 @@ def add_parser(bench_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--output-jsonl", default=None, help="one JSON line per request")
     p.add_argument("--output-json", default=None, help="a JSON list of the run summaries")
     p.add_argument("--router-policy", action="append", default=None,
-                   choices=["cache_aware", "round_robin", "power_of_two", "random"],
+                   choices=POLICIES,
                    help="radixray fleets: run once per policy (repeat the flag), switching the "
                    "router and flushing the caches before each run")
     p.add_argument("--session-header", action=argparse.BooleanOptionalAction, default=True,

@@ -12,6 +12,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from radixray.cluster.routing import PolicyName, RouterSettings
 from radixray.engine.config import EngineConfig
 
 
@@ -91,7 +92,7 @@ class RouterSection(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    policy: Literal["cache_aware", "round_robin", "power_of_two", "random"] = "cache_aware"
+    policy: PolicyName = "cache_aware"
     cache_threshold: float = Field(0.3, ge=0, le=1)
     balance_abs_threshold: int = Field(64, ge=0)
     balance_rel_threshold: float = Field(1.5, ge=1)
@@ -104,9 +105,8 @@ class RouterSection(BaseModel):
     circuit_failure_threshold: int = Field(5, ge=1)
     circuit_cooldown_s: float = Field(30.0, gt=0)
 
-    def settings(self):
-        """The routing core's settings (radixray.cluster.routing.RouterSettings)."""
-        from radixray.cluster.routing import RouterSettings
+    def settings(self) -> RouterSettings:
+        """The routing core's settings (the retry knobs belong to the ingress, not the router)."""
         keep = {f for f in RouterSettings.__dataclass_fields__}
         return RouterSettings(**{k: v for k, v in self.model_dump().items() if k in keep})
 

@@ -25,6 +25,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 
 from radixray.cluster.errors import WorkerDraining, WorkerUnavailable, unwrap_ray_error
+from radixray.cluster.routing import NoWorkerAvailable
 from radixray.cluster.worker_client import WorkerClient
 
 logger = logging.getLogger("radixray.ingress")
@@ -134,7 +135,6 @@ class Dispatcher:
         raise last
 
     async def _pick(self, route_text, session_id, tried, retry: bool, last) -> str:
-        from radixray.cluster.routing import NoWorkerAvailable
         try:
             worker, _reason = await self.router.pick.remote(route_text, session_id,
                                                             sorted(tried), retry)

@@ -66,7 +66,6 @@ class Choice:
             self.error = update["error"]
             self.error_status = update.get("status", 500)
             return ""
-
         ids = update["ids"]
         self.output_ids.extend(ids)
         self.logprobs.extend(update.get("logprobs", ()))

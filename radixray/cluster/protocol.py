@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from radixray.cluster.routing import PolicyName
+
 MAX_TOP_LOGPROBS = 20
 
 
@@ -116,4 +118,4 @@ class RouterUpdate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    policy: Literal["cache_aware", "round_robin", "power_of_two", "random"]
+    policy: PolicyName

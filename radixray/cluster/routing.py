@@ -19,11 +19,13 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import Literal
 
 from radixray.cluster.circuit import CircuitBreaker
 from radixray.cluster.prefix_tree import PrefixTree
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+PolicyName = Literal[POLICIES]  # for pydantic schemas (config, admin endpoint)
 
 
 class NoWorkerAvailable(RuntimeError):

@@ -13,6 +13,8 @@ import signal
 import threading
 import time
 
+from radixray.cluster.routing import POLICIES
+
 logger = logging.getLogger("radixray.serve")
 
 # flag -> (section, field)
@@ -53,7 +55,7 @@ def add_parser(sub) -> None:
     p.add_argument("--workers", type=int, help="engine workers (default 1), each with its own "
                    "model copy and KV pool")
     p.add_argument("--router-policy",
-                   choices=["cache_aware", "round_robin", "power_of_two", "random"],
+                   choices=POLICIES,
                    help="how requests are spread over the workers (default cache_aware)")
     p.add_argument("--address", help="join a running Ray cluster (default: start a local one)")
     p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray instance")
