@@ -11,6 +11,8 @@ import sys
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default' (SmolLM2-135M GGUF), an HF folder or a .gguf")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--quantization", default=None, choices=["w8a8_int8"],
+                   help="int8 weights and activations for the linear layers (CPU)")
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
     p.add_argument("--mem-fraction-static", type=float, default=0.3)
     p.add_argument("--chunked-prefill-size", type=int, default=2048)
@@ -21,7 +23,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_options(args) -> dict:
-    return dict(model=args.model, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
+    return dict(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                max_total_tokens=args.max_total_tokens,
                 mem_fraction_static=args.mem_fraction_static,
                 chunked_prefill_size=args.chunked_prefill_size,
                 max_running_requests=args.max_running_requests,

@@ -76,18 +76,21 @@ def run_offline_bench(args) -> dict:
     max_batch = max(batch_sizes)
     pool = args.max_total_tokens or max(
         max_batch * (args.context_len + args.decode_steps + 2), args.prefill_prompts * (args.prefill_len + 2)) + 64
-    engine = Engine(model=args.model, dtype=args.dtype, max_total_tokens=pool,
+    engine = Engine(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                    max_total_tokens=pool,
                     chunked_prefill_size=args.chunked_prefill_size,
                     max_running_requests=max(max_batch, args.max_running_requests or 0))
     cost = ModelCost.of(engine.runner.model, engine.runner.bytes_per_token)
     dtype = engine.runner.dtype
     results: dict = {"model": args.model, "dtype": str(dtype).removeprefix("torch."),
+                     "quantization": args.quantization,
                      "threads": torch.get_num_threads(), "context_len": args.context_len,
                      "decode_steps": args.decode_steps, "weight_bytes": cost.weight_bytes}
     try:
         with tqdm(total=3 + len(batch_sizes), desc="bench offline", unit="stage") as bar:
             bw = measure_read_bandwidth()
-            gemm = measure_gemm_flops(dtype=dtype)
+            # int8 layers: the compute ceiling is the int8 GEMM rate (attention stays in dtype)
+            gemm = measure_gemm_flops(dtype=torch.int8 if args.quantization else dtype)
             results.update(bandwidth_gbs=bw / 1e9, gemm_tflops=gemm / 1e12)
             bar.update(1)
             decode_step_seconds(engine, 1, args.context_len, 4, seed=0)  # warm-up
@@ -124,9 +127,11 @@ def run_offline_bench(args) -> dict:
 
 
 def print_report(r: dict) -> None:
-    print(f"\nmodel={r['model']} dtype={r['dtype']} threads={r['threads']} "
+    quant = r.get("quantization")
+    print(f"\nmodel={r['model']} dtype={r['dtype']} quantization={quant} threads={r['threads']} "
           f"weights={r['weight_bytes'] / 1e6:.0f} MB")
-    print(f"machine: read bandwidth {r['bandwidth_gbs']:.1f} GB/s, GEMM {r['gemm_tflops'] * 1000:.0f} GFLOP/s")
+    print(f"machine: read bandwidth {r['bandwidth_gbs']:.1f} GB/s, "
+          f"{'int8 ' if quant else ''}GEMM {r['gemm_tflops'] * 1000:.0f} G{'OP' if quant else 'FLOP'}/s")
     print(f"{'batch':>5} {'step ms':>9} {'tok/s':>9} {'floor ms':>9} {'roof tok/s':>11} {'step/floor':>10} {'% roof':>7}")
     for d in r["decode"]:
         print(f"{d['batch']:>5} {d['step_ms']:>9.2f} {d['tokens_per_s']:>9.1f} {d['floor_ms']:>9.2f} "

@@ -30,7 +30,11 @@ def measure_read_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 7) -> float
 
 
 def measure_gemm_flops(n: int = 2048, dtype: torch.dtype = torch.float32, repeats: int = 5) -> float:
-    """FLOP/s of a large square matmul in ``dtype``."""
+    """FLOP/s of a large square matmul in ``dtype`` (int8: ``torch._int_mm``, int32 accumulation)."""
+    if dtype == torch.int8:
+        a = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+        b = torch.randint(-127, 128, (n, n), dtype=torch.int8).t()
+        return 2 * n**3 / _median_seconds(lambda: torch._int_mm(a, b), repeats)
     a = torch.randn(n, n, dtype=dtype)
     b = torch.randn(n, n, dtype=dtype)
     return 2 * n**3 / _median_seconds(lambda: a @ b, repeats)
@@ -55,6 +59,10 @@ class ModelCost:
             if p.dim() == 2 and "embed_tokens" not in name:
                 matmul += p.numel()
                 nbytes += p.numel() * p.element_size()
+        for name, b in model.named_buffers():  # quantized layers keep their weights as buffers
+            if name.endswith("w_q_t"):
+                matmul += b.numel()
+                nbytes += b.numel() * b.element_size()
         head = model.lm_head_weight
         if model.tie_word_embeddings:
             matmul += head.numel()

@@ -20,6 +20,7 @@ logger = logging.getLogger("radixray.serve")
 # flag -> (section, field)
 _FLAG_FIELDS = {
     "model": ("engine", "model"), "dtype": ("engine", "dtype"),
+    "quantization": ("engine", "quantization"),
     "mem_fraction_static": ("engine", "mem_fraction_static"),
     "max_total_tokens": ("engine", "max_total_tokens"),
     "chunked_prefill_size": ("engine", "chunked_prefill_size"),
@@ -42,6 +43,9 @@ def add_parser(sub) -> None:
     p.add_argument("--host", help="HTTP host (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default 8000)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--quantization", choices=["w8a8_int8"],
+                   help="int8 weights and activations for the linear layers (CPU; faster, "
+                   "outputs close to but not equal to the unquantized model's)")
     p.add_argument("--mem-fraction-static", type=float)
     p.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens")
     p.add_argument("--chunked-prefill-size", type=int)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from radixray.engine.policy import SCHEDULE_POLICIES
+from radixray.kernels.int8_linear import QUANTIZATIONS
 
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -16,6 +17,7 @@ class EngineConfig:
     model: str = "default"  # "default" (SmolLM2-135M GGUF), a Hugging Face folder, or a .gguf file
     dtype: str = "auto"  # auto picks the faster of fp32 / bf16 measured on this machine
     device: str = "cpu"
+    quantization: str | None = None  # None (weights as loaded) or "w8a8_int8" (int8 GEMMs, CPU)
     mem_fraction_static: float = 0.3  # share of available memory for weights + KV pool
     max_total_tokens: int | None = None  # explicit KV pool size in tokens (overrides the fraction)
     chunked_prefill_size: int | None = 2048  # None or <= 0 disables chunking
@@ -38,6 +40,10 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization == "w8a8_int8" and self.device != "cpu":
+            raise ValueError("quantization='w8a8_int8' runs on the CPU only (device='cpu')")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:

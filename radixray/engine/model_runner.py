@@ -16,6 +16,7 @@ from radixray.engine.models import model_class_for
 from radixray.engine.request import Req
 from radixray.kernels.attention import create_attention_backend
 from radixray.kernels.cpu_ops import CpuKernels
+from radixray.kernels.int8_linear import quantize_linears
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class ModelRunner:
         self.model = model_class_for(hf)(hf, self.dtype, max_positions=self.context_len,
                                          kernels=self.kernels)
         self.model.load_weights(source.weights())
+        self.quantized_layers = quantize_linears(self.model, config.quantization,
+                                                 fused_ops=config.cpu_kernels)
         self.model.to(self.device).eval()
         if self.device == "cpu":
             pack_parameters_into_huge_pages(self.model)
@@ -109,9 +112,11 @@ class ModelRunner:
             attn.attn = self.attn_backend
 
         logger.info(
-            "Model %s loaded in %.1f s: dtype=%s (%s), %d layers, %d kv heads, head_dim %d",
+            "Model %s loaded in %.1f s: dtype=%s (%s), quantization=%s (%d linear layers), "
+            "%d layers, %d kv heads, head_dim %d",
             getattr(hf, "architectures", ["?"])[0], load_s, str(self.dtype).removeprefix("torch."),
-            dtype_reason, hf.num_hidden_layers, hf.num_key_value_heads, head_dim)
+            dtype_reason, config.quantization, self.quantized_layers, hf.num_hidden_layers,
+            hf.num_key_value_heads, head_dim)
         logger.info(
             "KV cache: bytes_per_token=%d, max_total_num_tokens=%d, kv_cache_mb=%.1f, chunked_prefill_size=%s, "
             "max_prefill_tokens=%d, max_running_requests=%d, context_len=%d, dtype=%s, "

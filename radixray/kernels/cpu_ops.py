@@ -1,5 +1,8 @@
 """Fused fp32 CPU kernels (C++ in csrc/cpu_ops.cpp) and their pure-torch references.
 
+The same extension carries the quantize / rescale halves of the int8 linear
+(csrc/int8_ops.cpp, used by ``int8_linear.Int8Linear``).
+
 The extension is compiled on first use with torch's cpp_extension (cached under
 ~/.cache/torch_extensions, about a minute once per machine). Where it cannot be
 built (no compiler, no AVX2) or an input is not fp32 on the CPU, every op falls
@@ -39,9 +42,10 @@ def load_extension():
             return None
         try:
             from torch.utils.cpp_extension import load
-            src = os.path.join(os.path.dirname(__file__), "csrc", "cpu_ops.cpp")
+            csrc = os.path.join(os.path.dirname(__file__), "csrc")
+            sources = [os.path.join(csrc, name) for name in ("cpu_ops.cpp", "int8_ops.cpp")]
             logger.info("Loading radixray CPU kernels (compiled once per machine, ~1 min)")
-            load(name="radixray_cpu_ops", sources=[src],
+            load(name="radixray_cpu_ops", sources=sources,
                  extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
                  extra_ldflags=["-fopenmp"], verbose=False)
             _ext = torch.ops.radixray
@@ -100,6 +104,13 @@ class CpuKernels:
             y = self.ext.linear_small_m(x, w)
             return y + bias if bias is not None else y
         return F.linear(x, w, bias)
+
+    def project(self, x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+        """Apply a projection layer: an ``nn.Linear`` through :meth:`linear`, any other
+        layer (a quantized one, see ``int8_linear.Int8Linear``) through its own forward."""
+        if isinstance(layer, torch.nn.Linear):
+            return self.linear(x, layer.weight, layer.bias)
+        return layer(x)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         if self.ext is not None and x.dtype == torch.float32 and not x.is_cuda:

@@ -29,6 +29,7 @@ def test_overrides_and_served_name():
     ({"server": {"port": 70000}}, "server.port"),
     ({"server": {"prot": 1}}, "server.prot"),
     ({"engine": {"schedule_policy": "random"}}, "engine.schedule_policy"),
+    ({"engine": {"quantization": "int4"}}, "engine.quantization"),
 ])
 def test_errors_name_the_field(data, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):

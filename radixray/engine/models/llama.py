@@ -39,7 +39,7 @@ class LlamaAttention(nn.Module):
         self.attn = None  # set by the model runner: an AttentionBackend
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        qkv = self.kernels.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = self.kernels.project(x, self.qkv_proj)
         n_qk = self.num_heads + self.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, n_qk, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
@@ -48,7 +48,7 @@ class LlamaAttention(nn.Module):
         qk = self.rotary(positions, qk, self.kernels)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         out = self.attn.forward(q, k, v, self.layer_id, batch)
-        return self.kernels.linear(out.reshape(-1, self.q_size).to(x.dtype), self.o_proj.weight)
+        return self.kernels.project(out.reshape(-1, self.q_size).to(x.dtype), self.o_proj)
 
 
 class LlamaMLP(nn.Module):
@@ -62,8 +62,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = self.kernels
-        gate_up = k.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-        return k.linear(k.silu_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
+        gate_up = k.project(x, self.gate_up_proj)
+        return k.project(k.silu_mul(gate_up), self.down_proj)
 
 
 class LlamaDecoderLayer(nn.Module):

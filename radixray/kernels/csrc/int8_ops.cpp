@@ -1,0 +1,115 @@
+// The two elementwise halves of a W8A8 int8 linear (AVX2, OpenMP); the GEMM between them
+// is torch._int_mm. Pure-torch references: radixray/kernels/int8_linear.py, compared in
+// tests/cpu/test_int8_linear.py.
+#include <torch/extension.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// One row: scale = max(max|x|, 1e-8) / 127, q = round_half_even(x * (1 / scale)).
+// The same fp32 operations, in the same order, as quantize_per_token's torch code.
+void quantize_row(const float* x, int8_t* q, float* scale_out, int64_t K) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 vmax = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + k), abs_mask));
+  float amax = hmax(vmax);
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float scale = std::max(amax, 1e-8f) / 127.0f;
+  const float inv = 1.0f / scale;
+  *scale_out = scale;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m256i i[4];
+    for (int j = 0; j < 4; ++j) {
+      __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + k + 8 * j), vinv);
+      v = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      i[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
+    }
+    // packs work per 128-bit lane: undo the lane interleave with one dword permute
+    __m256i w01 = _mm256_packs_epi32(i[0], i[1]), w23 = _mm256_packs_epi32(i[2], i[3]);
+    __m256i b = _mm256_packs_epi16(w01, w23);
+    b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), b);
+  }
+  for (; k < K; ++k) {
+    float v = std::nearbyint(x[k] * inv);
+    q[k] = static_cast<int8_t>(std::min(std::max(v, -127.0f), 127.0f));
+  }
+}
+
+}  // namespace
+
+// x [M, K] fp32 -> (q [M, K] int8, scale [M] fp32), symmetric per row.
+std::vector<torch::Tensor> quantize_rows_int8(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.device().is_cpu() && x.dim() == 2,
+              "quantize_rows_int8: x must be a 2-D float32 CPU tensor");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  auto s = torch::empty({M}, x.options());
+  const float* X = x.data_ptr<float>();
+  int8_t* Q = q.data_ptr<int8_t>();
+  float* S = s.data_ptr<float>();
+#pragma omp parallel for schedule(static) if (M * K > 65536)
+  for (int64_t m = 0; m < M; ++m) quantize_row(X + m * K, Q + m * K, S + m, K);
+  return {q, s};
+}
+
+// acc [M, N] int32 -> y [M, N] fp32 = (acc * x_scale[m]) * w_scale[n] (+ bias[n]).
+torch::Tensor rescale_int8_acc(torch::Tensor acc, torch::Tensor x_scale, torch::Tensor w_scale,
+                               c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(acc.scalar_type() == torch::kInt32 && acc.dim() == 2 && acc.is_contiguous(),
+              "rescale_int8_acc: acc must be a contiguous 2-D int32 tensor");
+  const int64_t M = acc.size(0), N = acc.size(1);
+  TORCH_CHECK(x_scale.numel() == M && w_scale.numel() == N, "rescale_int8_acc: scale sizes");
+  const bool has_bias = bias.has_value() && bias->defined();
+  auto xs = x_scale.contiguous(), ws = w_scale.contiguous();
+  torch::Tensor b = has_bias ? bias->contiguous() : torch::Tensor();
+  auto y = torch::empty({M, N}, acc.options().dtype(torch::kFloat32));
+  const int32_t* A = acc.data_ptr<int32_t>();
+  const float* XS = xs.data_ptr<float>();
+  const float* WS = ws.data_ptr<float>();
+  const float* B = has_bias ? b.data_ptr<float>() : nullptr;
+  float* Y = y.data_ptr<float>();
+#pragma omp parallel for schedule(static) if (M * N > 65536)
+  for (int64_t m = 0; m < M; ++m) {
+    const int32_t* a = A + m * N;
+    float* yr = Y + m * N;
+    const __m256 sx = _mm256_set1_ps(XS[m]);
+    int64_t n = 0;
+    for (; n + 8 <= N; n += 8) {
+      __m256 v = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + n)));
+      v = _mm256_mul_ps(_mm256_mul_ps(v, sx), _mm256_loadu_ps(WS + n));
+      if (B) v = _mm256_add_ps(v, _mm256_loadu_ps(B + n));
+      _mm256_storeu_ps(yr + n, v);
+    }
+    for (; n < N; ++n) {
+      float v = (static_cast<float>(a[n]) * XS[m]) * WS[n];
+      yr[n] = B ? v + B[n] : v;
+    }
+  }
+  return y;
+}
+
+TORCH_LIBRARY_FRAGMENT(radixray, m) {
+  m.def("quantize_rows_int8(Tensor x) -> Tensor[]");
+  m.def("rescale_int8_acc(Tensor acc, Tensor x_scale, Tensor w_scale, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(radixray, CPU, m) {
+  m.impl("quantize_rows_int8", &quantize_rows_int8);
+  m.impl("rescale_int8_acc", &rescale_int8_acc);
+}

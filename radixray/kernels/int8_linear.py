@@ -1,0 +1,115 @@
+"""W8A8 int8 linear layers (``quantization="w8a8_int8"``) and their torch reference.
+
+Weights are quantized once at load time, symmetric per output channel
+(``w ~= w_q * w_scale[n]``); activations are quantized on every call, symmetric
+per token (``x ~= x_q * x_scale[m]``). The product runs as an int8 x int8 ->
+int32 GEMM (``torch._int_mm``, oneDNN on x86 CPUs) and is rescaled in fp32:
+
+    y[m, n] = acc[m, n] * x_scale[m] * w_scale[n] (+ bias[n])
+
+Per-token scales keep a request's output independent of which other requests
+share its batch (a per-tensor activation scale would not). On this project's
+AVX2 CPU the int8 GEMM runs 3-5x the fp32 GEMM rate at prefill and batched
+decode shapes (docs/benchmarks.md), which is what the mode is for; outputs are
+close to, not equal to, the fp32 model's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from radixray.kernels.cpu_ops import load_extension
+
+QUANTIZATIONS = (None, "w8a8_int8")
+_QMAX = 127.0
+
+
+def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` [N, K] float -> (int8 [N, K], fp32 scale [N]); symmetric, zero rows get scale 1."""
+    w = w.float()
+    scale = w.abs().amax(dim=1) / _QMAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[:, None]).clamp_(-_QMAX, _QMAX).to(torch.int8)
+    return q, scale
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] float -> (int8 [M, K], fp32 scale [M]); symmetric per row.
+
+    ``q = round_half_even(x * (1 / scale))``: the C++ kernel does the same fp32
+    operations, so both give the same codes.
+    """
+    x = x.float()
+    scale = x.abs().amax(dim=1).clamp_(min=1e-8) / _QMAX
+    q = torch.round(x * (1.0 / scale)[:, None]).clamp_(-_QMAX, _QMAX).to(torch.int8)
+    return q, scale
+
+
+def rescale_ref(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """int32 GEMM result -> fp32: ``(acc * x_scale[m]) * w_scale[n] (+ bias[n])``."""
+    y = acc.float().mul_(x_scale[:, None]).mul_(w_scale)
+    return y.add_(bias) if bias is not None else y
+
+
+def int8_linear_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The same arithmetic in plain fp64 torch ops: dequantize both sides, then matmul."""
+    x_q, x_scale = quantize_per_token(x)
+    y = (x_q.double() * x_scale.double()[:, None]) @ (w_q.double() * w_scale.double()[:, None]).t()
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype)
+
+
+class Int8Linear(nn.Module):
+    """A linear layer whose weight is stored as per-channel int8; ``forward(x)`` for x [M, K]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fused_ops: bool = True):
+        super().__init__()
+        self.ext = load_extension() if fused_ops else None  # C++ quantize / rescale halves
+        w_q, w_scale = quantize_per_channel(weight)
+        # _int_mm wants the [K, N] operand; a transposed view of the [N, K] rows is its fast layout.
+        self.register_buffer("w_q_t", w_q.t(), persistent=False)
+        self.register_buffer("w_scale", w_scale, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone(),
+                             persistent=False)
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    @property
+    def w_q(self) -> torch.Tensor:
+        return self.w_q_t.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ext = self.ext
+        if ext is not None and x.dtype == torch.float32:
+            x_q, x_scale = ext.quantize_rows_int8(x)
+            return ext.rescale_int8_acc(torch._int_mm(x_q, self.w_q_t), x_scale, self.w_scale, self.bias)
+        x_q, x_scale = quantize_per_token(x)
+        return rescale_ref(torch._int_mm(x_q, self.w_q_t), x_scale, self.w_scale, self.bias).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, w8a8_int8"
+
+
+def quantize_linears(model: nn.Module, method: str | None, skip: tuple[str, ...] = ("lm_head",),
+                     fused_ops: bool = True) -> int:
+    """Replace every ``nn.Linear`` of ``model`` (but those named in ``skip``) by its quantized form.
+
+    Returns how many layers were replaced. ``method=None`` leaves the model as it is.
+    The fp32 weights of replaced layers are released. ``fused_ops=False`` keeps the
+    quantize / rescale steps in torch ops (the GEMM is ``torch._int_mm`` either way).
+    """
+    if method is None:
+        return 0
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
+    targets = [(name, mod) for name, mod in model.named_modules()
+               if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] not in skip]
+    for name, mod in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        bias = mod.bias.data if mod.bias is not None else None
+        setattr(parent, child, Int8Linear(mod.weight.data, bias, fused_ops=fused_ops))
+    return len(targets)
