@@ -93,6 +93,32 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, w8a8_int8"
 
 
+class Int8ReferenceLinear(nn.Module):
+    """The reference arithmetic (:func:`int8_linear_ref`) as a drop-in for an ``nn.Linear`` of
+    any model, inputs of any leading shape: lets a Hugging Face model run the same
+    quantization as the engine, for tests and quality measurements."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.w_q, self.w_scale = quantize_per_channel(linear.weight.data)
+        self.bias = None if linear.bias is None else linear.bias.data
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        return int8_linear_ref(flat, self.w_q, self.w_scale, self.bias).reshape(*x.shape[:-1], -1)
+
+
+def replace_linears(model: nn.Module, make, skip: tuple[str, ...] = ("lm_head",)) -> int:
+    """Replace each ``nn.Linear`` of ``model`` not named in ``skip`` by ``make(linear)``; return the count."""
+    targets = [(name, mod) for name, mod in model.named_modules()
+               if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] not in skip]
+    for name, mod in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, make(mod))
+    return len(targets)
+
+
 def quantize_linears(model: nn.Module, method: str | None, skip: tuple[str, ...] = ("lm_head",),
                      fused_ops: bool = True) -> int:
     """Replace every ``nn.Linear`` of ``model`` (but those named in ``skip``) by its quantized form.
@@ -105,11 +131,5 @@ def quantize_linears(model: nn.Module, method: str | None, skip: tuple[str, ...]
         return 0
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
-    targets = [(name, mod) for name, mod in model.named_modules()
-               if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] not in skip]
-    for name, mod in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        bias = mod.bias.data if mod.bias is not None else None
-        setattr(parent, child, Int8Linear(mod.weight.data, bias, fused_ops=fused_ops))
-    return len(targets)
+    return replace_linears(model, lambda mod: Int8Linear(
+        mod.weight.data, mod.bias.data if mod.bias is not None else None, fused_ops=fused_ops), skip)

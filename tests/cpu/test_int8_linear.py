@@ -13,10 +13,12 @@ from radixray.engine.config import EngineConfig
 from radixray.kernels.cpu_ops import load_extension
 from radixray.kernels.int8_linear import (
     Int8Linear,
+    Int8ReferenceLinear,
     int8_linear_ref,
     quantize_linears,
     quantize_per_channel,
     quantize_per_token,
+    replace_linears,
     rescale_ref,
 )
 
@@ -97,26 +99,6 @@ def test_config_names_the_field():
         EngineConfig(quantization="w8a8_int8", device="cuda")
 
 
-class _FakeQuantLinear(nn.Module):
-    """A Hugging Face linear replaced by the reference int8 arithmetic (any leading dims)."""
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.w_q, self.w_scale = quantize_per_channel(linear.weight.data)
-        self.bias = None if linear.bias is None else linear.bias.data
-
-    def forward(self, x):
-        flat = x.reshape(-1, x.shape[-1])
-        return int8_linear_ref(flat, self.w_q, self.w_scale, self.bias).reshape(*x.shape[:-1], -1)
-
-
-def _fake_quantize_hf(model: nn.Module) -> None:
-    for name, mod in list(model.named_modules()):
-        if isinstance(mod, nn.Linear) and not name.endswith("lm_head"):
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, _FakeQuantLinear(mod))
-
-
 QUANT_NEAR_TIE = 1e-3  # a last-bit difference before a rounding step can move one int8 code
 
 
@@ -125,7 +107,7 @@ def test_engine_matches_hf_with_the_same_quantization(kind, request):
     from transformers import AutoModelForCausalLM
     model_dir = request.getfixturevalue(f"tiny_{kind}_dir")
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    _fake_quantize_hf(hf)
+    replace_linears(hf, Int8ReferenceLinear)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, hf.config.vocab_size, (n,), generator=g).tolist() for n in (5, 19, 40)]
     greedy = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
