@@ -16,8 +16,14 @@ from radixray.cluster.protocol import ChatCompletionRequest, CompletionRequest
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
+# Valid unescaped in JSON, but line breaks to clients that split lines like
+# str.splitlines() (httpx's iter_lines among them): always sent as \u escapes.
+_LINE_BREAKING = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    """One server-sent event: ``data: <json>`` and a blank line; the JSON never spans lines."""
+    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKING)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
