@@ -43,6 +43,7 @@ class EngineSection(BaseModel):
     cpu_kernels: bool = True
     num_threads: int | None = Field(None, ge=1)
     decode_log_interval: int = Field(40, ge=1)
+    stream_interval: int = Field(1, ge=1)
     random_seed: int = 0
     check_kv_conservation: bool = False
 

@@ -28,6 +28,7 @@ _FLAG_FIELDS = {
     "schedule_policy": ("engine", "schedule_policy"),
     "max_running_requests": ("engine", "max_running_requests"),
     "disable_radix_cache": ("engine", "disable_radix_cache"),
+    "stream_interval": ("engine", "stream_interval"),
     "host": ("server", "host"), "port": ("server", "port"),
     "served_model_name": ("server", "served_model_name"),
     "ingress_replicas": ("server", "ingress_replicas"),
@@ -53,6 +54,9 @@ def add_parser(sub) -> None:
     p.add_argument("--schedule-policy", choices=["fcfs", "lpm"])
     p.add_argument("--max-running-requests", type=int)
     p.add_argument("--disable-radix-cache", action="store_true", default=None)
+    p.add_argument("--stream-interval", type=int,
+                   help="decode steps per streamed chunk (default 1: every token; larger "
+                   "values send fewer, bigger chunks and leave more CPU to the engine)")
     p.add_argument("--served-model-name")
     p.add_argument("--ingress-replicas", type=int)
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])

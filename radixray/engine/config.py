@@ -33,6 +33,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | cpu_paged
     cpu_kernels: bool = True  # fused C++ kernels for fp32 on CPU (torch ops otherwise)
     decode_log_interval: int = 40
+    stream_interval: int = 1  # decode steps between a request's streamed updates (first and last always go)
     num_threads: int | None = None  # torch intra-op threads (CPU); None keeps torch's default
     random_seed: int = 0
     check_kv_conservation: bool = False  # assert the slot invariant after every step (tests)
@@ -58,6 +59,8 @@ class EngineConfig:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.decode_log_interval < 1:
             raise ValueError("decode_log_interval must be >= 1")
 

@@ -278,3 +278,16 @@ def test_logprobs_when_asked(eng, tiny_llama_dir):
         **GREEDY, "max_new_tokens": 8, "return_logprob": True})
     assert [x for c in chunks for x in c["output_token_logprobs"]] == pytest.approx(lps)
     eng.check_kv_conservation()
+
+
+def test_stream_interval_coalesces_tokens(tiny_llama_dir):
+    params = {**GREEDY, "max_new_tokens": 18, "ignore_eos": True}
+    with Engine(model=tiny_llama_dir, max_total_tokens=2048, stream_interval=4) as eng4:
+        full = eng4.generate(prompt="The quick brown fox", sampling_params=params)
+        chunks = stream(eng4, prompt="The quick brown fox", sampling_params=params)
+        assert [len(c["output_ids"]) for c in chunks] == [1, 4, 4, 4, 4, 1]  # first token at once
+        assert [t for c in chunks for t in c["output_ids"]] == full["output_ids"]
+        assert "".join(c["text"] for c in chunks) == full["text"]
+        eng4.check_kv_conservation()
+    with pytest.raises(ValueError, match="stream_interval must be >= 1"):
+        Engine(model=tiny_llama_dir, stream_interval=0)
