@@ -40,20 +40,22 @@ def test_silu_mul(rows):
     torch.testing.assert_close(ext.silu_mul(g), cpu_ops.silu_mul_ref(g), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 16), (8, 2, 32)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 16), (8, 2, 32), (4, 1, 128),
+                                                (6, 2, 72)])
 def test_paged_decode_attention(heads, kv_heads, dim):
     torch.manual_seed(heads)
-    pool = 200
+    pool = 800
     kp, vp = torch.randn(pool + 1, kv_heads, dim), torch.randn(pool + 1, kv_heads, dim)
-    lens = torch.tensor([1, 17, 60, 5])
-    idx = torch.zeros(4, 60, dtype=torch.int64)
+    kp[7] *= 30  # a few large scores: the softmax subtracts its max before the exponentials
+    lens = torch.tensor([1, 17, 600, 5, 8, 64])
+    idx = torch.zeros(6, 600, dtype=torch.int64)
     perm = torch.randperm(pool)[: int(lens.sum())] + 1  # scattered slots, never slot 0
     start = 0
     for b, n in enumerate(lens.tolist()):
         idx[b, :n] = perm[start:start + n]
         start += n
     idx[0, 1:] = 999_999  # cells past seq_len are never read
-    q = torch.randn(4, heads, dim)
+    q = torch.randn(6, heads, dim)
     scale = dim ** -0.5
     got = ext.paged_decode_attention(q, kp, vp, idx, lens, scale)
     want = cpu_ops.paged_decode_attention_ref(q, kp, vp, idx, lens, scale)
