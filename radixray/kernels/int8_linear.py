@@ -8,10 +8,10 @@ int32 GEMM (``torch._int_mm``, oneDNN on x86 CPUs) and is rescaled in fp32:
     y[m, n] = acc[m, n] * x_scale[m] * w_scale[n] (+ bias[n])
 
 Per-token scales keep a request's output independent of which other requests
-share its batch (a per-tensor activation scale would not). On this project's
-AVX2 CPU the int8 GEMM runs 3-5x the fp32 GEMM rate at prefill and batched
-decode shapes (docs/benchmarks.md), which is what the mode is for; outputs are
-close to, not equal to, the fp32 model's.
+share its batch (a per-tensor activation scale would not). On a 2-vCPU EPYC with
+AVX-512 VNNI the int8 GEMM ran 3-5x the fp32 GEMM rate at prefill and batched
+decode shapes (docs/benchmarks.md), which is what the mode is for; CPUs without
+VNNI gain less. Outputs are close to, not equal to, the fp32 model's.
 """
 
 from __future__ import annotations
