@@ -77,13 +77,14 @@ def run_offline_bench(args) -> dict:
     pool = args.max_total_tokens or max(
         max_batch * (args.context_len + args.decode_steps + 2), args.prefill_prompts * (args.prefill_len + 2)) + 64
     engine = Engine(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                    kv_cache_dtype=args.kv_cache_dtype,
                     max_total_tokens=pool,
                     chunked_prefill_size=args.chunked_prefill_size,
                     max_running_requests=max(max_batch, args.max_running_requests or 0))
     cost = ModelCost.of(engine.runner.model, engine.runner.bytes_per_token)
     dtype = engine.runner.dtype
     results: dict = {"model": args.model, "dtype": str(dtype).removeprefix("torch."),
-                     "quantization": args.quantization,
+                     "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
                      "threads": torch.get_num_threads(), "context_len": args.context_len,
                      "decode_steps": args.decode_steps, "weight_bytes": cost.weight_bytes}
     try:

@@ -28,6 +28,7 @@ class EngineSection(BaseModel):
     model: str = "default"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     quantization: Literal["w8a8_int8"] | None = None
+    kv_cache_dtype: Literal["auto", "bfloat16"] = "auto"
     mem_fraction_static: float = Field(0.3, gt=0, lt=1)
     max_total_tokens: int | None = Field(None, ge=2)
     chunked_prefill_size: int | None = 2048

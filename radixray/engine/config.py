@@ -8,6 +8,7 @@ from radixray.engine.policy import SCHEDULE_POLICIES
 from radixray.kernels.int8_linear import QUANTIZATIONS
 
 DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "bfloat16")  # auto: the model's dtype
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,7 @@ class EngineConfig:
     model: str = "default"  # "default" (SmolLM2-135M GGUF), a Hugging Face folder, or a .gguf file
     dtype: str = "auto"  # auto picks the faster of fp32 / bf16 measured on this machine
     device: str = "cpu"
+    kv_cache_dtype: str = "auto"  # "bfloat16" halves the KV pool's bytes (more tokens, faster decode reads)
     quantization: str | None = None  # None (weights as loaded) or "w8a8_int8" (int8 GEMMs, CPU)
     mem_fraction_static: float = 0.3  # share of available memory for weights + KV pool
     max_total_tokens: int | None = None  # explicit KV pool size in tokens (overrides the fraction)
@@ -41,6 +43,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quantization == "w8a8_int8" and self.device != "cpu":

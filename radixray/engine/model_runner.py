@@ -84,8 +84,9 @@ class ModelRunner:
         load_s = time.perf_counter() - t0
 
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
         self.bytes_per_token = kv_bytes_per_token(
-            hf.num_hidden_layers, hf.num_key_value_heads, head_dim, self.dtype)
+            hf.num_hidden_layers, hf.num_key_value_heads, head_dim, self.kv_dtype)
         if config.max_total_tokens is not None:
             self.max_total_tokens = config.max_total_tokens
         else:
@@ -101,13 +102,13 @@ class ModelRunner:
                                         self.max_total_tokens)
 
         self.kv_pool = KVPool(self.max_total_tokens, hf.num_hidden_layers, hf.num_key_value_heads,
-                              head_dim, self.dtype, self.device)
+                              head_dim, self.kv_dtype, self.device)
         self.req_pool = ReqToTokenPool(self.max_running_requests, self.context_len)
         self.allocator = TokenSlotAllocator(self.max_total_tokens)
         scaling = getattr(hf, "query_pre_attn_scalar", None)
         scaling = (scaling or head_dim) ** -0.5
         self.attn_backend = create_attention_backend(
-            config.attention_backend, self.req_pool.table, self.kv_pool, scaling)
+            config.attention_backend, self.req_pool.table, self.kv_pool, scaling, self.dtype)
         for attn in self.model.attention_layers():
             attn.attn = self.attn_backend
 
@@ -119,12 +120,12 @@ class ModelRunner:
             hf.num_key_value_heads, head_dim)
         logger.info(
             "KV cache: bytes_per_token=%d, max_total_num_tokens=%d, kv_cache_mb=%.1f, chunked_prefill_size=%s, "
-            "max_prefill_tokens=%d, max_running_requests=%d, context_len=%d, dtype=%s, "
+            "max_prefill_tokens=%d, max_running_requests=%d, context_len=%d, kv_cache_dtype=%s, "
             "attention_backend=%s, cpu_kernels=%s, device=%s, threads=%d",
             self.bytes_per_token, self.max_total_tokens,
             self.bytes_per_token * self.max_total_tokens / 2**20, config.chunk_size,
             config.max_prefill_tokens, self.max_running_requests, self.context_len,
-            str(self.dtype).removeprefix("torch."), self.attn_backend.name, self.kernels.active,
+            str(self.kv_dtype).removeprefix("torch."), self.attn_backend.name, self.kernels.active,
             self.device,
             torch.get_num_threads())
 

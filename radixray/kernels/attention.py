@@ -77,10 +77,11 @@ class TorchAttention(AttentionBackend):
     def _decode(self, q, layer, batch):
         meta = batch.attn_metadata
         idx = meta["kv_indices"]
-        k_all = self.kv_pool.k_buffers[layer][idx].transpose(1, 2)  # [B, kvh, L, d]
-        v_all = self.kv_pool.v_buffers[layer][idx].transpose(1, 2)
+        # Attention runs in q's dtype whatever the pool stores.
+        k_all = self.kv_pool.k_buffers[layer][idx].transpose(1, 2).to(q.dtype)  # [B, kvh, L, d]
+        v_all = self.kv_pool.v_buffers[layer][idx].transpose(1, 2).to(q.dtype)
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2).to(k_all.dtype), k_all, v_all, attn_mask=meta["kv_mask"],
+            q.unsqueeze(2), k_all, v_all, attn_mask=meta["kv_mask"],
             scale=self.scaling, enable_gqa=True,
         )
         return out.squeeze(2)
@@ -91,12 +92,15 @@ class TorchAttention(AttentionBackend):
         kb, vb = self.kv_pool.k_buffers[layer], self.kv_pool.v_buffers[layer]
         for n, plen, prefix_idx in zip(batch.extend_lens, batch.prefix_lens,
                                        batch.attn_metadata["prefix_indices"]):
+            # New keys/values pass through the pool's dtype too, so a request computes
+            # the same whether its prefix came from the cache or was just prefilled.
             ki = k[start:start + n].to(kb.dtype)
             vi = v[start:start + n].to(vb.dtype)
             if plen:
                 ki = torch.cat((kb[prefix_idx], ki))
                 vi = torch.cat((vb[prefix_idx], vi))
-            outs.append(self._attend(q[start:start + n].to(ki.dtype), ki, vi, plen))
+            qi = q[start:start + n]
+            outs.append(self._attend(qi, ki.to(qi.dtype), vi.to(qi.dtype), plen))
             start += n
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
@@ -154,11 +158,13 @@ ATTENTION_BACKENDS: dict[str, Callable[..., AttentionBackend]] = {
 
 
 def create_attention_backend(name: str, req_to_token: torch.Tensor, kv_pool: KVPool,
-                             scaling: float) -> AttentionBackend:
-    """Build the backend registered under ``name``; ``auto`` picks cpu_paged when its kernels load."""
+                             scaling: float, compute_dtype: torch.dtype = torch.float32) -> AttentionBackend:
+    """Build the backend registered under ``name``; ``auto`` picks cpu_paged when its kernels load
+    (fp32 queries over an fp32 or bf16 pool)."""
     if name == "auto":
         from radixray.kernels.cpu_ops import load_extension
-        name = "cpu_paged" if kv_pool.dtype == torch.float32 and load_extension() else "torch"
+        paged = compute_dtype == torch.float32 and kv_pool.dtype in (torch.float32, torch.bfloat16)
+        name = "cpu_paged" if paged and load_extension() else "torch"
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {sorted(ATTENTION_BACKENDS)}, got {name!r}")
     return ATTENTION_BACKENDS[name](req_to_token, kv_pool, scaling)

@@ -76,12 +76,12 @@ def rotary_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
 
 
 def paged_decode_attention_ref(q, k_pool, v_pool, kv_indices, seq_lens, scale):
-    """q [B,H,D]; pools [S,KVH,D]; kv_indices [B,Lmax]; seq_lens [B] -> [B,H,D]."""
+    """q [B,H,D]; pools [S,KVH,D] (any dtype, widened to q's); kv_indices [B,Lmax]; seq_lens [B] -> [B,H,D]."""
     out = []
     for b in range(q.shape[0]):
         idx = kv_indices[b, : int(seq_lens[b])]
-        k = k_pool[idx].transpose(0, 1)
-        v = v_pool[idx].transpose(0, 1)
+        k = k_pool[idx].transpose(0, 1).to(q.dtype)
+        v = v_pool[idx].transpose(0, 1).to(q.dtype)
         out.append(F.scaled_dot_product_attention(q[b][:, None], k, v, scale=scale,
                                                   enable_gqa=True)[:, 0])
     return torch.stack(out)

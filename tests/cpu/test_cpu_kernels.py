@@ -40,12 +40,14 @@ def test_silu_mul(rows):
     torch.testing.assert_close(ext.silu_mul(g), cpu_ops.silu_mul_ref(g), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 16), (8, 2, 32), (4, 1, 128),
-                                                (6, 2, 72)])
-def test_paged_decode_attention(heads, kv_heads, dim):
+                                                (6, 2, 70)])
+def test_paged_decode_attention(heads, kv_heads, dim, pool_dtype):
     torch.manual_seed(heads)
     pool = 800
-    kp, vp = torch.randn(pool + 1, kv_heads, dim), torch.randn(pool + 1, kv_heads, dim)
+    kp = torch.randn(pool + 1, kv_heads, dim).to(pool_dtype)
+    vp = torch.randn(pool + 1, kv_heads, dim).to(pool_dtype)
     kp[7] *= 30  # a few large scores: the softmax subtracts its max before the exponentials
     lens = torch.tensor([1, 17, 600, 5, 8, 64])
     idx = torch.zeros(6, 600, dtype=torch.int64)

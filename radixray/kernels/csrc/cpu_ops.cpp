@@ -5,6 +5,7 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -25,6 +26,30 @@ inline float dot(const float* a, const float* b, int64_t n) {
   for (; k + 8 <= n; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
   float s = hsum(acc);
   for (; k < n; ++k) s += a[k] * b[k];
+  return s;
+}
+
+// Pool elements: fp32, or bf16 stored as its 16 raw bits (widened by a 16-bit shift).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) {
+  const uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+template <typename T>
+inline float dot_pool(const float* a, const T* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), load8(b + k), acc);
+  float s = hsum(acc);
+  for (; k < n; ++k) s += a[k] * widen(b[k]);
   return s;
 }
 
@@ -227,30 +252,14 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor positions, torch::Tensor cos
   return out;
 }
 
-// Decode attention straight from the paged pool: q [B,H,D], pools [S,KVH,D],
-// kv_indices [B,Lmax] (slot of each context token), seq_lens [B].
+// Decode attention straight from the paged pool: q [B,H,D] fp32, pools [S,KVH,D] fp32 or
+// bf16, kv_indices [B,Lmax] (slot of each context token), seq_lens [B].
 // Query head h reads kv head h / (H / KVH). No gathered copy of K or V is made.
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
-                                     torch::Tensor kv_indices, torch::Tensor seq_lens, double scale) {
-  check_f32(q, "q");
-  check_f32(k_pool, "k_pool");
-  check_f32(v_pool, "v_pool");
-  TORCH_CHECK(kv_indices.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64,
-              "indices must be int64");
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "pools must be contiguous");
-  q = q.contiguous();
-  kv_indices = kv_indices.contiguous();
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t KVH = k_pool.size(1), G = H / KVH, Lmax = kv_indices.size(1);
-  TORCH_CHECK(H % KVH == 0 && k_pool.size(2) == D, "attention: head shape mismatch");
-  auto out = torch::empty_like(q);
-  const float* Q = q.data_ptr<float>();
-  const float* KP = k_pool.data_ptr<float>();
-  const float* VP = v_pool.data_ptr<float>();
-  const int64_t* IDX = kv_indices.data_ptr<int64_t>();
-  const int64_t* LEN = seq_lens.data_ptr<int64_t>();
-  float* O = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
+template <typename T>
+void paged_decode_attention_impl(const float* Q, const T* KP, const T* VP, const int64_t* IDX,
+                                 const int64_t* LEN, float* O, int64_t B, int64_t H, int64_t D,
+                                 int64_t KVH, int64_t Lmax, float sc) {
+  const int64_t G = H / KVH;
 #pragma omp parallel
   {
     std::vector<float> scores;
@@ -262,8 +271,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
       const float* qb = Q + b * H * D;
       // One contiguous pass over each token's keys (all kv heads), then one over values.
       for (int64_t t = 0; t < L; ++t) {
-        const float* kt = KP + idx[t] * KVH * D;
-        for (int64_t h = 0; h < H; ++h) scores[h * L + t] = dot(qb + h * D, kt + (h / G) * D, D) * sc;
+        const T* kt = KP + idx[t] * KVH * D;
+        for (int64_t h = 0; h < H; ++h) scores[h * L + t] = dot_pool(qb + h * D, kt + (h / G) * D, D) * sc;
       }
       for (int64_t h = 0; h < H; ++h) {
         float* s = scores.data() + h * L;
@@ -277,18 +286,48 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
       float* ob = O + b * H * D;
       for (int64_t i = 0; i < H * D; ++i) ob[i] = 0.f;
       for (int64_t t = 0; t < L; ++t) {
-        const float* vt = VP + idx[t] * KVH * D;
+        const T* vt = VP + idx[t] * KVH * D;
         for (int64_t h = 0; h < H; ++h) {
           const __m256 vp = _mm256_set1_ps(scores[h * L + t]);
-          const float* vh = vt + (h / G) * D;
+          const T* vh = vt + (h / G) * D;
           float* o = ob + h * D;
           int64_t d = 0;
           for (; d + 8 <= D; d += 8)
-            _mm256_storeu_ps(o + d, _mm256_fmadd_ps(vp, _mm256_loadu_ps(vh + d), _mm256_loadu_ps(o + d)));
-          for (; d < D; ++d) o[d] += scores[h * L + t] * vh[d];
+            _mm256_storeu_ps(o + d, _mm256_fmadd_ps(vp, load8(vh + d), _mm256_loadu_ps(o + d)));
+          for (; d < D; ++d) o[d] += scores[h * L + t] * widen(vh[d]);
         }
       }
     }
+  }
+}
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                                     torch::Tensor kv_indices, torch::Tensor seq_lens, double scale) {
+  check_f32(q, "q");
+  const auto pool_type = k_pool.scalar_type();
+  TORCH_CHECK((pool_type == torch::kFloat32 || pool_type == torch::kBFloat16) &&
+              v_pool.scalar_type() == pool_type && k_pool.device().is_cpu() && v_pool.device().is_cpu(),
+              "paged_decode_attention: pools must be float32 or bfloat16 CPU tensors of one dtype");
+  TORCH_CHECK(kv_indices.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64,
+              "indices must be int64");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "pools must be contiguous");
+  q = q.contiguous();
+  kv_indices = kv_indices.contiguous();
+  seq_lens = seq_lens.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = k_pool.size(1), Lmax = kv_indices.size(1);
+  TORCH_CHECK(H % KVH == 0 && k_pool.size(2) == D, "attention: head shape mismatch");
+  auto out = torch::empty_like(q);
+  const float sc = static_cast<float>(scale);
+  if (pool_type == torch::kFloat32) {
+    paged_decode_attention_impl(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
+                                kv_indices.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
+                                out.data_ptr<float>(), B, H, D, KVH, Lmax, sc);
+  } else {
+    paged_decode_attention_impl(q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_pool.data_ptr()),
+                                reinterpret_cast<const uint16_t*>(v_pool.data_ptr()),
+                                kv_indices.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
+                                out.data_ptr<float>(), B, H, D, KVH, Lmax, sc);
   }
   return out;
 }
