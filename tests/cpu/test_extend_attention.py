@@ -17,7 +17,7 @@ def sdpa_reference(q, k, v, plen, scale):
 
 @pytest.mark.parametrize("n,plen,h,kvh,block", [
     (1, 0, 4, 2, 256), (1, 300, 9, 3, 256), (7, 0, 4, 4, 3), (70, 33, 9, 3, 16),
-    (300, 0, 4, 2, 256), (513, 1000, 8, 2, 256),
+    (300, 0, 4, 2, 256), (513, 1000, 8, 2, 256), (150, 20, 9, 3, 64),
 ])
 def test_blocked_matches_sdpa(n, plen, h, kvh, block):
     g = torch.Generator().manual_seed(n + plen)
