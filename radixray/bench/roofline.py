@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from radixray.kernels.int8_linear import Int8Linear
+
 
 def _median_seconds(fn, repeats: int) -> float:
     fn()
@@ -59,10 +61,10 @@ class ModelCost:
             if p.dim() == 2 and "embed_tokens" not in name:
                 matmul += p.numel()
                 nbytes += p.numel() * p.element_size()
-        for name, b in model.named_buffers():  # quantized layers keep their weights as buffers
-            if name.endswith("w_q_t"):
-                matmul += b.numel()
-                nbytes += b.numel() * b.element_size()
+        for mod in model.modules():  # quantized layers keep their int8 weights as buffers
+            if isinstance(mod, Int8Linear):
+                matmul += mod.w_q_t.numel()
+                nbytes += mod.w_q_t.numel() * mod.w_q_t.element_size()
         head = model.lm_head_weight
         if model.tie_word_embeddings:
             matmul += head.numel()

@@ -20,15 +20,6 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= n; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
-  float s = hsum(acc);
-  for (; k < n; ++k) s += a[k] * b[k];
-  return s;
-}
-
 // Pool elements: fp32, or bf16 stored as its 16 raw bits (widened by a 16-bit shift).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
@@ -43,8 +34,9 @@ inline float widen(uint16_t x) {
   return f;
 }
 
+// a . b over n elements; b is fp32 or bf16 (a pool row).
 template <typename T>
-inline float dot_pool(const float* a, const T* b, int64_t n) {
+inline float dot(const float* a, const T* b, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= n; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), load8(b + k), acc);
@@ -272,7 +264,7 @@ void paged_decode_attention_impl(const float* Q, const T* KP, const T* VP, const
       // One contiguous pass over each token's keys (all kv heads), then one over values.
       for (int64_t t = 0; t < L; ++t) {
         const T* kt = KP + idx[t] * KVH * D;
-        for (int64_t h = 0; h < H; ++h) scores[h * L + t] = dot_pool(qb + h * D, kt + (h / G) * D, D) * sc;
+        for (int64_t h = 0; h < H; ++h) scores[h * L + t] = dot(qb + h * D, kt + (h / G) * D, D) * sc;
       }
       for (int64_t h = 0; h < H; ++h) {
         float* s = scores.data() + h * L;
