@@ -40,6 +40,16 @@ def test_silu_mul(rows):
     torch.testing.assert_close(ext.silu_mul(g), cpu_ops.silu_mul_ref(g), rtol=1e-5, atol=1e-6)
 
 
+def test_silu_mul_over_the_whole_float_range():
+    # The kernel's vectorized exp clamps its argument at +-88.4: very negative gates give 0
+    # (the true value underflows), very positive ones the identity; no inf or nan either way.
+    a = torch.cat((torch.linspace(-120, 120, 4001), torch.tensor([-1e30, 1e30, 0.0, -0.0])))
+    g = torch.cat((a, torch.full_like(a, 1.5)))[None]
+    got = ext.silu_mul(g)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, cpu_ops.silu_mul_ref(g), rtol=2e-6, atol=1e-30)
+
+
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 16), (8, 2, 32), (4, 1, 128),
                                                 (6, 2, 70)])

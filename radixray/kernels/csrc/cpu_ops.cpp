@@ -8,42 +8,11 @@
 #include <cstring>
 #include <vector>
 
+#include "simd.h"
+
+using namespace radixray_simd;
+
 namespace {
-
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  __m128 sh = _mm_movehdup_ps(lo);
-  __m128 s = _mm_add_ps(lo, sh);
-  sh = _mm_movehl_ps(sh, s);
-  s = _mm_add_ss(s, sh);
-  return _mm_cvtss_f32(s);
-}
-
-// Pool elements: fp32, or bf16 stored as its 16 raw bits (widened by a 16-bit shift).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline float widen(float x) { return x; }
-inline float widen(uint16_t x) {
-  const uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-// a . b over n elements; b is fp32 or bf16 (a pool row).
-template <typename T>
-inline float dot(const float* a, const T* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= n; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), load8(b + k), acc);
-  float s = hsum(acc);
-  for (; k < n; ++k) s += a[k] * widen(b[k]);
-  return s;
-}
 
 void check_f32(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32");
@@ -202,7 +171,9 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
     const float* a = G + r * D2;
     const float* b = a + D;
     float* yr = Y + r * D;
-    for (int64_t k = 0; k < D; ++k) yr[k] = a[k] / (1.0f + std::exp(-a[k])) * b[k];
+    int64_t k = 0;
+    for (; k + 8 <= D; k += 8) _mm256_storeu_ps(yr + k, silu_mul8(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k)));
+    for (; k < D; ++k) yr[k] = a[k] / (1.0f + std::exp(-a[k])) * b[k];
   }
   return y;
 }
@@ -244,94 +215,12 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor positions, torch::Tensor cos
   return out;
 }
 
-// Decode attention straight from the paged pool: q [B,H,D] fp32, pools [S,KVH,D] fp32 or
-// bf16, kv_indices [B,Lmax] (slot of each context token), seq_lens [B].
-// Query head h reads kv head h / (H / KVH). No gathered copy of K or V is made.
-template <typename T>
-void paged_decode_attention_impl(const float* Q, const T* KP, const T* VP, const int64_t* IDX,
-                                 const int64_t* LEN, float* O, int64_t B, int64_t H, int64_t D,
-                                 int64_t KVH, int64_t Lmax, float sc) {
-  const int64_t G = H / KVH;
-#pragma omp parallel
-  {
-    std::vector<float> scores;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t L = LEN[b];
-      scores.resize(static_cast<size_t>(H * L));
-      const int64_t* idx = IDX + b * Lmax;
-      const float* qb = Q + b * H * D;
-      // One contiguous pass over each token's keys (all kv heads), then one over values.
-      for (int64_t t = 0; t < L; ++t) {
-        const T* kt = KP + idx[t] * KVH * D;
-        for (int64_t h = 0; h < H; ++h) scores[h * L + t] = dot(qb + h * D, kt + (h / G) * D, D) * sc;
-      }
-      for (int64_t h = 0; h < H; ++h) {
-        float* s = scores.data() + h * L;
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < L; ++t) mx = std::max(mx, s[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) { s[t] = std::exp(s[t] - mx); sum += s[t]; }
-        const float inv = 1.0f / sum;
-        for (int64_t t = 0; t < L; ++t) s[t] *= inv;
-      }
-      float* ob = O + b * H * D;
-      for (int64_t i = 0; i < H * D; ++i) ob[i] = 0.f;
-      for (int64_t t = 0; t < L; ++t) {
-        const T* vt = VP + idx[t] * KVH * D;
-        for (int64_t h = 0; h < H; ++h) {
-          const __m256 vp = _mm256_set1_ps(scores[h * L + t]);
-          const T* vh = vt + (h / G) * D;
-          float* o = ob + h * D;
-          int64_t d = 0;
-          for (; d + 8 <= D; d += 8)
-            _mm256_storeu_ps(o + d, _mm256_fmadd_ps(vp, load8(vh + d), _mm256_loadu_ps(o + d)));
-          for (; d < D; ++d) o[d] += scores[h * L + t] * widen(vh[d]);
-        }
-      }
-    }
-  }
-}
-
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
-                                     torch::Tensor kv_indices, torch::Tensor seq_lens, double scale) {
-  check_f32(q, "q");
-  const auto pool_type = k_pool.scalar_type();
-  TORCH_CHECK((pool_type == torch::kFloat32 || pool_type == torch::kBFloat16) &&
-              v_pool.scalar_type() == pool_type && k_pool.device().is_cpu() && v_pool.device().is_cpu(),
-              "paged_decode_attention: pools must be float32 or bfloat16 CPU tensors of one dtype");
-  TORCH_CHECK(kv_indices.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64,
-              "indices must be int64");
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "pools must be contiguous");
-  q = q.contiguous();
-  kv_indices = kv_indices.contiguous();
-  seq_lens = seq_lens.contiguous();
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t KVH = k_pool.size(1), Lmax = kv_indices.size(1);
-  TORCH_CHECK(H % KVH == 0 && k_pool.size(2) == D, "attention: head shape mismatch");
-  auto out = torch::empty_like(q);
-  const float sc = static_cast<float>(scale);
-  if (pool_type == torch::kFloat32) {
-    paged_decode_attention_impl(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
-                                kv_indices.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
-                                out.data_ptr<float>(), B, H, D, KVH, Lmax, sc);
-  } else {
-    paged_decode_attention_impl(q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_pool.data_ptr()),
-                                reinterpret_cast<const uint16_t*>(v_pool.data_ptr()),
-                                kv_indices.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
-                                out.data_ptr<float>(), B, H, D, KVH, Lmax, sc);
-  }
-  return out;
-}
-
 // Registered as dispatcher ops (torch.ops.radixray.*) so profilers see them by name.
 TORCH_LIBRARY(radixray, m) {
   m.def("linear_small_m(Tensor x, Tensor w) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rotary(Tensor x, Tensor positions, Tensor cos, Tensor sin) -> Tensor");
-  m.def("paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor kv_indices, "
-        "Tensor seq_lens, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixray, CPU, m) {
@@ -339,7 +228,6 @@ TORCH_LIBRARY_IMPL(radixray, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("rotary", &rotary);
-  m.impl("paged_decode_attention", &paged_decode_attention);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}
