@@ -112,6 +112,15 @@ class CpuKernels:
             return self.linear(x, layer.weight, layer.bias)
         return layer(x)
 
+    def gated_mlp(self, x: torch.Tensor, gate_up: torch.nn.Module, down: torch.nn.Module) -> torch.Tensor:
+        """``down(silu(gate) * up)`` where ``gate_up(x) = [gate | up]``. A layer type with a fused
+        form (``Int8Linear.fused_gated_mlp``) runs it; it returns None where it does not apply."""
+        fused = getattr(gate_up, "fused_gated_mlp", None)
+        y = fused(x, down) if fused is not None else None
+        if y is not None:
+            return y
+        return self.project(self.silu_mul(self.project(x, gate_up)), down)
+
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         if self.ext is not None and x.dtype == torch.float32 and not x.is_cuda:
             return self.ext.rms_norm(x, w, eps)

@@ -89,8 +89,36 @@ class Int8Linear(nn.Module):
         x_q, x_scale = quantize_per_token(x)
         return rescale_ref(torch._int_mm(x_q, self.w_q_t), x_scale, self.w_scale, self.bias).to(x.dtype)
 
+    def accumulate(self, x_q: torch.Tensor) -> torch.Tensor:
+        """The int32 GEMM alone: ``x_q`` [M, K] int8 codes -> [M, N] int32 accumulator."""
+        return torch._int_mm(x_q, self.w_q_t)
+
+    def fused_gated_mlp(self, x: torch.Tensor, down: nn.Module) -> torch.Tensor | None:
+        """This layer as the gate|up projection of a gated MLP ending in ``down``, run by
+        :func:`int8_gated_mlp`; None when that does not apply (``down`` not int8, no C++
+        kernels, input not fp32)."""
+        if (not isinstance(down, Int8Linear) or self.ext is None or down.ext is None
+                or x.dtype != torch.float32 or x.is_cuda):
+            return None
+        return int8_gated_mlp(x, self, down)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, w8a8_int8"
+
+
+def int8_gated_mlp(x: torch.Tensor, gate_up: Int8Linear, down: Int8Linear) -> torch.Tensor:
+    """``down(silu(gate) * up)`` for ``gate_up(x) = [gate | up]``, both layers int8.
+
+    Between the two GEMMs one C++ pass per row rescales the gate|up accumulator,
+    applies silu-mul and quantizes the result for ``down``, so the [M, 2I] fp32
+    activation is never written out. The codes equal those of ``gate_up(x)``,
+    ``silu_mul``, then ``down``'s own quantization (tests/cpu/test_int8_linear.py).
+    """
+    ext = gate_up.ext
+    x_q, x_scale = ext.quantize_rows_int8(x)
+    h_q, h_scale = ext.rescale_silu_mul_quantize(gate_up.accumulate(x_q), x_scale, gate_up.w_scale,
+                                                 gate_up.bias)
+    return ext.rescale_int8_acc(down.accumulate(h_q), h_scale, down.w_scale, down.bias)
 
 
 class Int8ReferenceLinear(nn.Module):

@@ -10,10 +10,11 @@ from torch import nn
 
 from radixray import Engine
 from radixray.engine.config import EngineConfig
-from radixray.kernels.cpu_ops import load_extension
+from radixray.kernels.cpu_ops import CpuKernels, load_extension, silu_mul_ref
 from radixray.kernels.int8_linear import (
     Int8Linear,
     Int8ReferenceLinear,
+    int8_gated_mlp,
     int8_linear_ref,
     quantize_linears,
     quantize_per_channel,
@@ -56,6 +57,36 @@ def test_cpp_quantize_and_rescale_match_torch(m, k):
     for b in (bias, None):
         torch.testing.assert_close(ext.rescale_int8_acc(acc, s, ws, b), rescale_ref(acc, s, ws, b),
                                    rtol=1e-6, atol=1e-6)
+
+
+@needs_ext
+@pytest.mark.parametrize("m,k,inter,bias", [(1, 64, 96, False), (37, 576, 1536, False), (5, 40, 21, True)])
+def test_fused_gated_mlp_equals_the_three_steps(m, k, inter, bias):
+    """rescale -> silu-mul -> quantize in one pass gives the codes of the separate C++ ops,
+    and the MLP output stays within rounding of the torch-reference chain."""
+    ext = load_extension()
+    torch.manual_seed(m + inter)
+    x = torch.randn(m, k)
+    gate_up = Int8Linear(torch.randn(2 * inter, k) * 0.1, torch.randn(2 * inter) if bias else None)
+    down = Int8Linear(torch.randn(k, inter) * 0.1, torch.randn(k) if bias else None)
+    x_q, x_scale = ext.quantize_rows_int8(x)
+    acc = gate_up.accumulate(x_q)
+    h_q, h_scale = ext.rescale_silu_mul_quantize(acc, x_scale, gate_up.w_scale, gate_up.bias)
+    want_q, want_scale = ext.quantize_rows_int8(ext.silu_mul(gate_up(x)))
+    assert torch.equal(h_q, want_q) and torch.equal(h_scale, want_scale)
+    fused = int8_gated_mlp(x, gate_up, down)
+    torch.testing.assert_close(fused, down(ext.silu_mul(gate_up(x))), rtol=0, atol=0)
+    # the torch reference chain (torch exp, torch quantizer) agrees to within a code or two
+    h_ref_q, h_ref_scale = quantize_per_token(silu_mul_ref(rescale_ref(acc, x_scale, gate_up.w_scale, gate_up.bias)))
+    assert (h_ref_q.int() - h_q.int()).abs().max() <= 1
+    torch.testing.assert_close(h_ref_scale, h_scale, rtol=1e-5, atol=0)
+    # and the dispatch picks the fused form only for an all-int8 pair
+    kernels = CpuKernels(enabled=True)
+    assert torch.equal(kernels.gated_mlp(x, gate_up, down), fused)
+    plain_down = nn.Linear(inter, k, bias=bias)
+    assert gate_up.fused_gated_mlp(x, plain_down) is None
+    torch.testing.assert_close(kernels.gated_mlp(x, gate_up, plain_down),
+                               plain_down(ext.silu_mul(gate_up(x))), rtol=1e-5, atol=1e-5)
 
 
 def test_quantizers_bound_the_error():

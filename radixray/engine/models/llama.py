@@ -61,9 +61,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        k = self.kernels
-        gate_up = k.project(x, self.gate_up_proj)
-        return k.project(k.silu_mul(gate_up), self.down_proj)
+        return self.kernels.gated_mlp(x, self.gate_up_proj, self.down_proj)
 
 
 class LlamaDecoderLayer(nn.Module):

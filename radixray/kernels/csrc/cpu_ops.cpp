@@ -169,11 +169,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 #pragma omp parallel for schedule(static) if (R > 16)
   for (int64_t r = 0; r < R; ++r) {
     const float* a = G + r * D2;
-    const float* b = a + D;
-    float* yr = Y + r * D;
-    int64_t k = 0;
-    for (; k + 8 <= D; k += 8) _mm256_storeu_ps(yr + k, silu_mul8(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k)));
-    for (; k < D; ++k) yr[k] = a[k] / (1.0f + std::exp(-a[k])) * b[k];
+    silu_mul_row(a, a + D, Y + r * D, D);
   }
   return y;
 }

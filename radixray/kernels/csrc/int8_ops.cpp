@@ -1,11 +1,13 @@
-// The two elementwise halves of a W8A8 int8 linear (AVX2, OpenMP); the GEMM between them
-// is torch._int_mm. Pure-torch references: radixray/kernels/int8_linear.py, compared in
+// The two elementwise halves of a W8A8 int8 linear (AVX2, OpenMP), and the fused middle of
+// a gated int8 MLP; the GEMMs between them are torch._int_mm. Pure-torch references: radixray/kernels/int8_linear.py, compared in
 // tests/cpu/test_int8_linear.py.
 #include <torch/extension.h>
 #include <immintrin.h>
 #include <omp.h>
 #include <cmath>
 #include <vector>
+
+#include "simd.h"
 
 namespace {
 
@@ -50,6 +52,22 @@ void quantize_row(const float* x, int8_t* q, float* scale_out, int64_t K) {
   }
 }
 
+// One row of an int32 accumulator -> fp32: (a[n] * sx) * ws[n] (+ b[n]).
+void rescale_row(const int32_t* a, float sx, const float* ws, const float* b, float* y, int64_t N) {
+  const __m256 vsx = _mm256_set1_ps(sx);
+  int64_t n = 0;
+  for (; n + 8 <= N; n += 8) {
+    __m256 v = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + n)));
+    v = _mm256_mul_ps(_mm256_mul_ps(v, vsx), _mm256_loadu_ps(ws + n));
+    if (b) v = _mm256_add_ps(v, _mm256_loadu_ps(b + n));
+    _mm256_storeu_ps(y + n, v);
+  }
+  for (; n < N; ++n) {
+    const float v = (static_cast<float>(a[n]) * sx) * ws[n];
+    y[n] = b ? v + b[n] : v;
+  }
+}
+
 }  // namespace
 
 // x [M, K] fp32 -> (q [M, K] int8, scale [M] fp32), symmetric per row.
@@ -85,31 +103,53 @@ torch::Tensor rescale_int8_acc(torch::Tensor acc, torch::Tensor x_scale, torch::
   const float* B = has_bias ? b.data_ptr<float>() : nullptr;
   float* Y = y.data_ptr<float>();
 #pragma omp parallel for schedule(static) if (M * N > 65536)
-  for (int64_t m = 0; m < M; ++m) {
-    const int32_t* a = A + m * N;
-    float* yr = Y + m * N;
-    const __m256 sx = _mm256_set1_ps(XS[m]);
-    int64_t n = 0;
-    for (; n + 8 <= N; n += 8) {
-      __m256 v = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + n)));
-      v = _mm256_mul_ps(_mm256_mul_ps(v, sx), _mm256_loadu_ps(WS + n));
-      if (B) v = _mm256_add_ps(v, _mm256_loadu_ps(B + n));
-      _mm256_storeu_ps(yr + n, v);
-    }
-    for (; n < N; ++n) {
-      float v = (static_cast<float>(a[n]) * XS[m]) * WS[n];
-      yr[n] = B ? v + B[n] : v;
+  for (int64_t m = 0; m < M; ++m) rescale_row(A + m * N, XS[m], WS, B, Y + m * N, N);
+  return y;
+}
+
+// The middle of a gated int8 MLP in one pass per row: acc [M, 2I] int32 (the gate|up GEMM)
+// -> rescale as rescale_int8_acc -> silu(gate) * up as silu_mul -> quantize as
+// quantize_rows_int8 -> (q [M, I] int8, scale [M]). The same fp32 operations as those three
+// ops one after the other, so the codes are identical; the fp32 rows never leave L1.
+std::vector<torch::Tensor> rescale_silu_mul_quantize(torch::Tensor acc, torch::Tensor x_scale, torch::Tensor w_scale,
+                                                     c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(acc.scalar_type() == torch::kInt32 && acc.dim() == 2 && acc.is_contiguous() && acc.size(1) % 2 == 0,
+              "rescale_silu_mul_quantize: acc must be a contiguous 2-D int32 tensor with an even width");
+  const int64_t M = acc.size(0), N = acc.size(1), I = N / 2;
+  TORCH_CHECK(x_scale.numel() == M && w_scale.numel() == N, "rescale_silu_mul_quantize: scale sizes");
+  const bool has_bias = bias.has_value() && bias->defined();
+  auto xs = x_scale.contiguous(), ws = w_scale.contiguous();
+  torch::Tensor b = has_bias ? bias->contiguous() : torch::Tensor();
+  auto q = torch::empty({M, I}, acc.options().dtype(torch::kInt8));
+  auto s = torch::empty({M}, acc.options().dtype(torch::kFloat32));
+  const int32_t* A = acc.data_ptr<int32_t>();
+  const float* XS = xs.data_ptr<float>();
+  const float* WS = ws.data_ptr<float>();
+  const float* B = has_bias ? b.data_ptr<float>() : nullptr;
+  int8_t* Q = q.data_ptr<int8_t>();
+  float* S = s.data_ptr<float>();
+#pragma omp parallel if (M * N > 65536)
+  {
+    std::vector<float> row(static_cast<size_t>(N));
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m) {
+      float* g = row.data();
+      rescale_row(A + m * N, XS[m], WS, B, g, N);
+      radixray_simd::silu_mul_row(g, g + I, g, I);
+      quantize_row(g, Q + m * I, S + m, I);
     }
   }
-  return y;
+  return {q, s};
 }
 
 TORCH_LIBRARY_FRAGMENT(radixray, m) {
   m.def("quantize_rows_int8(Tensor x) -> Tensor[]");
   m.def("rescale_int8_acc(Tensor acc, Tensor x_scale, Tensor w_scale, Tensor? bias) -> Tensor");
+  m.def("rescale_silu_mul_quantize(Tensor acc, Tensor x_scale, Tensor w_scale, Tensor? bias) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(radixray, CPU, m) {
   m.impl("quantize_rows_int8", &quantize_rows_int8);
   m.impl("rescale_int8_acc", &rescale_int8_acc);
+  m.impl("rescale_silu_mul_quantize", &rescale_silu_mul_quantize);
 }

@@ -2,6 +2,7 @@
 #pragma once
 #include <immintrin.h>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 
 namespace radixray_simd {
@@ -74,6 +75,13 @@ inline __m256 silu_mul8(__m256 a, __m256 b) {
   const __m256 one = _mm256_set1_ps(1.0f);
   const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), a));
   return _mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(one, e)), b);
+}
+
+// y[k] = silu(a[k]) * b[k] for k < n; y may be a (each element is read before it is written).
+inline void silu_mul_row(const float* a, const float* b, float* y, int64_t n) {
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) _mm256_storeu_ps(y + k, silu_mul8(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k)));
+  for (; k < n; ++k) y[k] = a[k] / (1.0f + std::exp(-a[k])) * b[k];
 }
 
 }  // namespace radixray_simd
