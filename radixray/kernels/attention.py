@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from radixray.engine.forward_batch import ForwardBatch, ForwardMode
 from radixray.engine.memory import KVPool
-from radixray.kernels.extend_attention import blocked_extend_attention
 
 
 class AttentionBackend(abc.ABC):
@@ -120,8 +119,8 @@ class TorchAttention(AttentionBackend):
 
 
 class CpuPagedAttention(TorchAttention):
-    """Decode reads K/V straight from the paged pool with the fused C++ kernel; extend runs
-    as blocked GEMMs (kernels/extend_attention.py)."""
+    """Decode reads K/V straight from the paged pool, extend runs over each request's
+    contiguous keys/values, both in the C++ kernels (csrc/attention.cpp)."""
 
     name = "cpu_paged"
 
@@ -141,7 +140,7 @@ class CpuPagedAttention(TorchAttention):
             super().init_forward_metadata(batch)
 
     def _attend(self, q, k, v, plen: int):
-        return blocked_extend_attention(q, k, v, plen, self.scaling)
+        return self.ext.extend_attention(q, k, v, plen, self.scaling)
 
     def _decode(self, q, layer, batch):
         meta = batch.attn_metadata
