@@ -11,7 +11,10 @@ MLP width 1,536):
 - extend (prefill) attention, a ``--prefill-len`` prompt with no cached prefix and
   128 new tokens after a 2,048-token prefix, against SDPA with a causal mask;
 - the middle of an int8 gated MLP (rescale, SiLU-mul, quantize) fused against the
-  three ops one after the other, at prefill (2,048 rows) and decode (``--batch``) sizes.
+  three ops one after the other, at prefill (2,048 rows) and decode (``--batch``) sizes;
+- the small-M int8 GEMM against ``torch._int_mm`` over one decode step's worth of
+  int8 weights (30 layers x qkv, o, gate|up, down: 106 MB, so they come from
+  memory) at 1 and 4 rows.
 
 Outputs are checked against each other before timing. Machines are noisy:
 compare ratios from one run.
@@ -30,7 +33,7 @@ import torch.nn.functional as F
 
 from radixray.engine.hugepages import empty_huge
 
-HEADS, KV_HEADS, HEAD_DIM, INTER = 9, 3, 64, 1536
+HEADS, KV_HEADS, HEAD_DIM, INTER, HIDDEN, LAYERS = 9, 3, 64, 1536, 576, 30
 
 
 def _paired_medians(fast: Callable, slow: Callable, calls: int, repeats: int) -> tuple[float, float]:
@@ -107,6 +110,23 @@ def _mlp_row(ext, m: int, calls: int, repeats: int) -> dict:
             "rate": "fused vs 3 C++ ops"}
 
 
+def _int8_gemm_row(ext, m: int, weights: list[torch.Tensor], calls: int, repeats: int) -> dict:
+    xs = {k: torch.randint(-127, 128, (m, k), dtype=torch.int8) for k in (HIDDEN, INTER)}
+    transposed = [w.t() for w in weights]  # the layout Int8Linear hands torch._int_mm
+
+    def kernel():
+        return [ext.int8_gemm_small_m(xs[w.shape[1]], w) for w in weights]
+
+    def onednn():
+        return [torch._int_mm(xs[w.shape[0]], w) for w in transposed]
+
+    assert all(torch.equal(a, b) for a, b in zip(kernel(), onednn()))
+    fast, slow = _paired_medians(kernel, onednn, calls, repeats)
+    total = sum(w.numel() for w in weights)
+    return {"kernel": "int8 GEMM (step)", "shape": f"{m} rows x {len(weights)} weights",
+            "cpp_ms": fast, "torch_ms": slow, "rate": f"{total / fast / 1e6:.1f} GB/s"}
+
+
 def run_cli(args: argparse.Namespace) -> int:
     from radixray.kernels.cpu_ops import load_extension
     ext = load_extension()
@@ -118,6 +138,10 @@ def run_cli(args: argparse.Namespace) -> int:
     rows += [_extend_row(ext, n, plen, max(1, args.calls // 4), args.repeats)
              for n, plen in ((args.prefill_len, 0), (128, 2048))]
     rows += [_mlp_row(ext, m, args.calls, args.repeats) for m in (2048, args.batch)]
+    shapes = [(HEADS * HEAD_DIM + 2 * KV_HEADS * HEAD_DIM, HIDDEN), (HIDDEN, HEADS * HEAD_DIM),
+              (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+    weights = [torch.randint(-127, 128, s, dtype=torch.int8) for _ in range(args.layers) for s in shapes]
+    rows += [_int8_gemm_row(ext, m, weights, max(1, args.calls // 10), args.repeats) for m in (1, 4)]
     print(f"\nthreads={torch.get_num_threads()}, medians of {args.repeats} rounds, turn about")
     print(f"{'kernel':<18} {'shape':<32} {'C++ ms':>8} {'other ms':>9} {'speedup':>8}  rate")
     for r in rows:
@@ -140,6 +164,7 @@ def add_parser(bench_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prefill-len", type=int, default=512, help="new tokens of the extend row without prefix")
     p.add_argument("--calls", type=int, default=20, help="calls per timed round (extend: a quarter)")
     p.add_argument("--repeats", type=int, default=7, help="timed rounds per kernel")
+    p.add_argument("--layers", type=int, default=LAYERS, help="layers of int8 weights in the GEMM rows")
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=run_cli)
     return p

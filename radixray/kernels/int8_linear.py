@@ -23,6 +23,10 @@ from radixray.kernels.cpu_ops import load_extension
 
 QUANTIZATIONS = (None, "w8a8_int8")
 _QMAX = 127.0
+# Rows up to which the C++ int8 kernel beats torch._int_mm when the weights come from
+# memory: 120 model-sized GEMMs took 3.9 / 4.3 / 5.3 / 9.6 ms against 6.3 / 8.2 / 8.8 /
+# 9.7 ms at 1 / 2 / 4 / 8 rows on this project's machine (docs/benchmarks.md).
+SMALL_M_MAX = 4
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,12 +89,18 @@ class Int8Linear(nn.Module):
         ext = self.ext
         if ext is not None and x.dtype == torch.float32:
             x_q, x_scale = ext.quantize_rows_int8(x)
-            return ext.rescale_int8_acc(torch._int_mm(x_q, self.w_q_t), x_scale, self.w_scale, self.bias)
+            return ext.rescale_int8_acc(self.accumulate(x_q), x_scale, self.w_scale, self.bias)
         x_q, x_scale = quantize_per_token(x)
         return rescale_ref(torch._int_mm(x_q, self.w_q_t), x_scale, self.w_scale, self.bias).to(x.dtype)
 
     def accumulate(self, x_q: torch.Tensor) -> torch.Tensor:
-        """The int32 GEMM alone: ``x_q`` [M, K] int8 codes -> [M, N] int32 accumulator."""
+        """The int32 GEMM alone: ``x_q`` [M, K] int8 codes -> [M, N] int32 accumulator.
+
+        Up to ``SMALL_M_MAX`` rows (decode at low load) a C++ kernel streams the weight
+        rows at close to memory bandwidth, where oneDNN's GEMM reads them at about a
+        third of it; the integers are the same either way."""
+        if self.ext is not None and x_q.shape[0] <= SMALL_M_MAX:
+            return self.ext.int8_gemm_small_m(x_q, self.w_q)
         return torch._int_mm(x_q, self.w_q_t)
 
     def fused_gated_mlp(self, x: torch.Tensor, down: nn.Module) -> torch.Tensor | None:

@@ -12,10 +12,10 @@ from radixray.kernels.cpu_ops import load_extension
 def test_bench_kernels_reports_each_kernel(tmp_path, capsys):
     out = tmp_path / "kernels.json"
     rc = main(["bench", "kernels", "--batch", "3", "--context-len", "20", "--prefill-len", "40",
-               "--calls", "1", "--repeats", "1", "--output-json", str(out)])
+               "--calls", "1", "--repeats", "1", "--layers", "1", "--output-json", str(out)])
     assert rc == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["kernel"] for r in rows] == ["decode attention"] * 2 + ["extend attention"] * 2 + \
-        ["int8 MLP middle"] * 2
+        ["int8 MLP middle"] * 2 + ["int8 GEMM (step)"] * 2
     assert all(r["cpp_ms"] > 0 and r["torch_ms"] > 0 and r["speedup"] > 0 for r in rows)
     assert "speedup" in capsys.readouterr().out

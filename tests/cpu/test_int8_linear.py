@@ -89,6 +89,31 @@ def test_fused_gated_mlp_equals_the_three_steps(m, k, inter, bias):
                                plain_down(ext.silu_mul(gate_up(x))), rtol=1e-5, atol=1e-5)
 
 
+@needs_ext
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("k,n", [(576, 960), (70, 33), (1536, 7)])
+def test_small_m_int8_gemm_gives_the_same_integers(m, k, n):
+    ext = load_extension()
+    g = torch.Generator().manual_seed(m * k + n)
+    x = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    x[0, :32] = 127
+    w[0, :32] = -127  # the largest products: maddubs pairs must not saturate
+    assert torch.equal(ext.int8_gemm_small_m(x, w), x.int() @ w.int().t())
+
+
+@needs_ext
+def test_small_m_int8_gemm_bounds_and_dispatch():
+    ext = load_extension()
+    w = torch.randint(-127, 128, (16, 32), dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        ext.int8_gemm_small_m(torch.zeros(9, 32, dtype=torch.int8), w)
+    layer = Int8Linear(torch.randn(40, 64), None)
+    for rows in (1, 4, 5, 33):  # C++ kernel up to SMALL_M_MAX rows, torch._int_mm above
+        x_q = torch.randint(-127, 128, (rows, 64), dtype=torch.int8)
+        assert torch.equal(layer.accumulate(x_q), x_q.int() @ layer.w_q.int().t())
+
+
 def test_quantizers_bound_the_error():
     torch.manual_seed(0)
     w = torch.randn(16, 32)
