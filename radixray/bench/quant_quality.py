@@ -29,20 +29,14 @@ CHAT_PROMPTS = (
 
 
 def load_hf_model(model: str):
-    """(tokenizer, fp32 model) from transformers for 'default', a .gguf file or an HF folder."""
+    """(tokenizer, fp32 model) from transformers, resolved as the engine resolves ``model``
+    (a GGUF is converted once, like for the naive server)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from radixray.engine.loader import default_model_path
-    path = default_model_path() if model == "default" else model
-    if path.endswith(".gguf"):
-        folder, name = path.rsplit("/", 1)
-        kwargs = {"gguf_file": name}
-    else:
-        folder, kwargs = path, {}
-    tok = AutoTokenizer.from_pretrained(folder, **kwargs)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
-    return tok, hf
+    from radixray.engine.loader import resolve_model
+    src = resolve_model(model)
+    return src.tokenizer, AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32).eval()
 
 
 def perplexities(model: str, text: str, max_tokens: int) -> dict:

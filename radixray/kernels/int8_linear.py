@@ -91,7 +91,7 @@ class Int8Linear(nn.Module):
             x_q, x_scale = ext.quantize_rows_int8(x)
             return ext.rescale_int8_acc(self.accumulate(x_q), x_scale, self.w_scale, self.bias)
         x_q, x_scale = quantize_per_token(x)
-        return rescale_ref(torch._int_mm(x_q, self.w_q_t), x_scale, self.w_scale, self.bias).to(x.dtype)
+        return rescale_ref(self.accumulate(x_q), x_scale, self.w_scale, self.bias).to(x.dtype)
 
     def accumulate(self, x_q: torch.Tensor) -> torch.Tensor:
         """The int32 GEMM alone: ``x_q`` [M, K] int8 codes -> [M, N] int32 accumulator.

@@ -97,9 +97,6 @@ void softmax_padded(float* s, int64_t L, int64_t Lp) {
   for (int64_t t = 0; t < Lp; t += 8) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), inv));
 }
 
-// One request, kv heads [k0, k1): its query heads Q [H, D] over L context tokens -> O [H, D].
-// Both passes walk the context in blocks of tokens and, inside a block, over the kv
-// heads, so each block of rows is read from memory once, in order, and reused from L1.
 // O[h] (+)= sum_{t0 <= t < t1} P[h][t] v_t over the first DV columns (multiple of 8) for n
 // query heads sharing one kv head (V points at it in key row 0; P rows Lp apart, O rows D
 // apart). t0 == 0 starts the sums. Call over blocks of 16 rows: they stay in L1 for every
@@ -137,9 +134,9 @@ constexpr int64_t kTokenBlock = 16;
 constexpr int64_t kTransposeMinTokens = 16;  // extend: fewer new tokens skip the transposed key copy
 
 // S[r][t] = sc * q_r . k_t for t < L and R query rows (row r at Q + r * D, reading the key
-// head at K + (r / G) * kstep of each key row), over the first DV columns (multiple of 8).
-// Rows in token order, all query rows per key row; 8 tokens' sums reduced at once. Lanes in
-// [L, Lp) hold garbage (the last valid row repeated) for the softmax to mask.
+// head at K + (r / G) * kstep of each key row). Rows in token order, all query rows per key
+// row; 8 tokens' sums reduced at once, columns past the last multiple of 8 added after.
+// Lanes in [L, Lp) hold garbage (the last valid row repeated) for the softmax to mask.
 template <typename T>
 void qk_rows(const float* Q, int64_t D, int64_t G, int64_t R, const T* K, int64_t kstep, const int64_t* idx,
              int64_t row, int64_t L, float sc, __m256* part, float* S, int64_t Lp) {
@@ -164,6 +161,14 @@ void qk_rows(const float* Q, int64_t D, int64_t G, int64_t R, const T* K, int64_
     for (int64_t r = 0; r < R; ++r)
       _mm256_storeu_ps(S + r * Lp + t0, _mm256_mul_ps(hsum8(part + r * 8), _mm256_set1_ps(sc)));
   }
+  if (DV < D)  // head sizes like 70
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t t = 0; t < L; ++t) {
+        const T* kh = K + idx[t] * row + (r / G) * kstep;
+        float tail = 0.f;
+        for (int64_t d = DV; d < D; ++d) tail += Q[r * D + d] * widen(kh[d]);
+        S[r * Lp + t] += tail * sc;
+      }
 }
 
 struct Scratch {  // one per thread
@@ -172,21 +177,19 @@ struct Scratch {  // one per thread
   std::vector<float> q;       // extend: the query rows of a tile, contiguous
 };
 
+// One request, kv heads [k0, k1): its query heads Q [H, D] over L context tokens -> O [H, D].
+// Both passes walk the context in token order; the value pass in blocks of rows that are
+// read from memory once and reused from L1 by every kv head and head block.
 template <typename T>
 void attend_request(const float* Q, const T* KP, const T* VP, const int64_t* idx, int64_t KVH, int64_t k0,
                     int64_t k1, int64_t L, int64_t G, int64_t D, float sc, Scratch& scratch, float* O) {
-  const int64_t DV = D / 8 * 8, Lp = (L + 7) / 8 * 8, row = KVH * D, H = KVH * G;
+  const int64_t Lp = (L + 7) / 8 * 8, row = KVH * D, H = KVH * G;
   scratch.scores.resize(static_cast<size_t>(H * Lp));
   scratch.part.resize(static_cast<size_t>(H * 8));
   float* S = scratch.scores.data();
   __m256* part = scratch.part.data();
   qk_rows(Q + k0 * G * D, D, G, (k1 - k0) * G, KP + k0 * D, D, idx, row, L, sc, part, S + k0 * G * Lp, Lp);
-  for (int64_t h = k0 * G; h < k1 * G; ++h) {  // columns past the last multiple of 8
-    const T* K = KP + (h / G) * D;
-    for (int64_t d = DV; d < D; ++d)
-      for (int64_t t = 0; t < L; ++t) S[h * Lp + t] += Q[h * D + d] * widen(K[idx[t] * row + d]) * sc;
-    softmax_padded(S + h * Lp, L, Lp);
-  }
+  for (int64_t h = k0 * G; h < k1 * G; ++h) softmax_padded(S + h * Lp, L, Lp);
   for (int64_t t0 = 0; t0 < L; t0 += kTokenBlock)  // blocks outer: each block's rows read once, in order
     for (int64_t kh = k0; kh < k1; ++kh)
       pv_heads(S + kh * G * Lp, Lp, G, VP + kh * D, idx, row, t0, std::min(L, t0 + kTokenBlock), D, O + kh * G * D);
@@ -214,28 +217,21 @@ void paged_decode_attention_impl(const float* Q, const T* KP, const T* VP, const
 }
 
 // Extend QK as a small GEMM over transposed keys: S[r][t] = sc * sum_d Q[r][d] * KT[d][t]
-// for R rows (Q rows D apart) and t < L; KT is [D, ldk] with ldk >= L rounded up to 16.
-// Per d, NV key vectors (8 keys each) meet R broadcast query elements: R * NV FMAs for
-// R + NV loads, and no horizontal reduction.
-template <int R, int NV>
+// for R rows (Q rows D apart) and t < L; KT is [D, ldk] with ldk >= L rounded up to 8.
+// Per d, one vector of 8 keys meets R broadcast query elements: R FMAs for R + 1 loads and
+// no horizontal reduction. (Two key vectors x 6 rows measured slower here.)
+template <int R>
 void qk_transposed(const float* Q, int64_t D, const float* KT, int64_t ldk, int64_t L, float sc, float* S,
                    int64_t Lp) {
   const __m256 scale = _mm256_set1_ps(sc);
-  for (int64_t t0 = 0; t0 < L; t0 += 8 * NV) {
-    const int64_t nv = std::min<int64_t>(NV, (Lp - t0) / 8);  // the last block may be narrower
-    __m256 acc[R][NV];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_ps();
+  for (int64_t t0 = 0; t0 < L; t0 += 8) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; ++d) {
-      __m256 kt[NV];
-      for (int v = 0; v < NV; ++v) kt[v] = _mm256_loadu_ps(KT + d * ldk + t0 + 8 * v);
-      for (int r = 0; r < R; ++r) {
-        const __m256 qv = _mm256_broadcast_ss(Q + r * D + d);
-        for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(qv, kt[v], acc[r][v]);
-      }
+      const __m256 kt = _mm256_loadu_ps(KT + d * ldk + t0);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(Q + r * D + d), kt, acc[r]);
     }
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < nv; ++v) _mm256_storeu_ps(S + r * Lp + t0 + 8 * v, _mm256_mul_ps(acc[r][v], scale));
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(S + r * Lp + t0, _mm256_mul_ps(acc[r], scale));
   }
 }
 
@@ -245,20 +241,20 @@ void qk_transposed_rows(const float* Q, int64_t D, int64_t R, const float* KT, i
     const int64_t left = R - r0;
     const float* q = Q + r0 * D;
     float* s = S + r0 * Lp;
-    if (left >= 12) { qk_transposed<12, 1>(q, D, KT, ldk, L, sc, s, Lp); r0 += 12; }
-    else if (left >= 6) { qk_transposed<6, 1>(q, D, KT, ldk, L, sc, s, Lp); r0 += 6; }
-    else if (left >= 4) { qk_transposed<4, 1>(q, D, KT, ldk, L, sc, s, Lp); r0 += 4; }
-    else if (left >= 2) { qk_transposed<2, 1>(q, D, KT, ldk, L, sc, s, Lp); r0 += 2; }
-    else { qk_transposed<1, 1>(q, D, KT, ldk, L, sc, s, Lp); r0 += 1; }
+    if (left >= 12) { qk_transposed<12>(q, D, KT, ldk, L, sc, s, Lp); r0 += 12; }
+    else if (left >= 6) { qk_transposed<6>(q, D, KT, ldk, L, sc, s, Lp); r0 += 6; }
+    else if (left >= 4) { qk_transposed<4>(q, D, KT, ldk, L, sc, s, Lp); r0 += 4; }
+    else if (left >= 2) { qk_transposed<2>(q, D, KT, ldk, L, sc, s, Lp); r0 += 2; }
+    else { qk_transposed<1>(q, D, KT, ldk, L, sc, s, Lp); r0 += 1; }
   }
 }
 
 // Extend: one tile of nq new tokens [qs, qs + nq) and one kv head. Token i (absolute
 // position plen + i) sees keys 0 .. plen + i; the tile's G * nq query rows share each key
 // row read, and value blocks are reused by every query of the tile.
-void extend_tile(const float* Q, const float* K, const float* KT, int64_t ldk, const float* V, const int64_t* idx, int64_t H,
-                 int64_t KVH, int64_t D, int64_t plen, int64_t qs, int64_t nq, int64_t kh, float sc,
-                 Scratch& scratch, float* O) {
+void extend_tile(const float* Q, const float* K, const float* KT, int64_t ldk, const float* V,
+                 const int64_t* idx, int64_t H, int64_t KVH, int64_t D, int64_t plen, int64_t qs, int64_t nq,
+                 int64_t kh, float sc, Scratch& scratch, float* O) {
   const int64_t G = H / KVH, R = nq * G, row = KVH * D;
   const int64_t L = plen + qs + nq, Lp = (L + 7) / 8 * 8;
   scratch.q.resize(static_cast<size_t>(R * D));
@@ -272,11 +268,7 @@ void extend_tile(const float* Q, const float* K, const float* KT, int64_t ldk, c
     qk_transposed_rows(q, D, R, KT + kh * D * ldk, ldk, L, sc, S, Lp);
   } else {  // a few new tokens: dot products over key rows, no transposed copy
     scratch.part.resize(static_cast<size_t>(R * 8));
-    const float* Kh = K + kh * D;
-    qk_rows(q, D, R, R, Kh, 0, idx, row, L, sc, scratch.part.data(), S, Lp);
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t d = D / 8 * 8; d < D; ++d)
-        for (int64_t t = 0; t < L; ++t) S[r * Lp + t] += q[r * D + d] * Kh[t * row + d] * sc;
+    qk_rows(q, D, R, R, K + kh * D, 0, idx, row, L, sc, scratch.part.data(), S, Lp);
   }
   for (int64_t r = 0; r < R; ++r) softmax_padded(S + r * Lp, plen + qs + r / G + 1, Lp);  // hides future keys
   for (int64_t t0 = 0; t0 < L; t0 += kTokenBlock)
@@ -329,8 +321,8 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < tiles * KVH; ++item) {
       const int64_t qs = (tiles - 1 - item / KVH) * tile;  // the longest tiles first
-      extend_tile(Q, K, kt.empty() ? nullptr : kt.data(), ldk, V, idx.data(), H, KVH, D, prefix_len, qs, std::min(tile, n - qs), item % KVH, sc,
-                  scratch, O);
+      extend_tile(Q, K, kt.empty() ? nullptr : kt.data(), ldk, V, idx.data(), H, KVH, D, prefix_len, qs,
+                  std::min(tile, n - qs), item % KVH, sc, scratch, O);
     }
   }
   return out;

@@ -5,7 +5,6 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 #include "simd.h"

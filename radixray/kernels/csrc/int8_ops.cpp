@@ -1,5 +1,6 @@
-// The two elementwise halves of a W8A8 int8 linear (AVX2, OpenMP), and the fused middle of
-// a gated int8 MLP; the GEMMs between them are torch._int_mm. Pure-torch references: radixray/kernels/int8_linear.py, compared in
+// W8A8 int8 linear pieces (AVX2, OpenMP): the quantize and rescale halves around the GEMM,
+// the fused middle of a gated int8 MLP, and the GEMM itself for a few rows (larger ones go
+// to torch._int_mm). Pure-torch references: radixray/kernels/int8_linear.py, compared in
 // tests/cpu/test_int8_linear.py.
 #include <torch/extension.h>
 #include <immintrin.h>
