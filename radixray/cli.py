@@ -13,6 +13,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--quantization", default=None, choices=["w8a8_int8"],
                    help="int8 weights and activations for the linear layers (CPU)")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="with --quantization w8a8_int8: the lm_head too (faster decode, some quality cost)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"])
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
     p.add_argument("--mem-fraction-static", type=float, default=0.3)
@@ -25,7 +27,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 def _engine_options(args) -> dict:
     return dict(model=args.model, dtype=args.dtype, quantization=args.quantization,
-                kv_cache_dtype=args.kv_cache_dtype,
+                quantize_lm_head=args.quantize_lm_head, kv_cache_dtype=args.kv_cache_dtype,
                 max_total_tokens=args.max_total_tokens,
                 mem_fraction_static=args.mem_fraction_static,
                 chunked_prefill_size=args.chunked_prefill_size,

@@ -12,9 +12,12 @@ MLP width 1,536):
   128 new tokens after a 2,048-token prefix, against SDPA with a causal mask;
 - the middle of an int8 gated MLP (rescale, SiLU-mul, quantize) fused against the
   three ops one after the other, at prefill (2,048 rows) and decode (``--batch``) sizes;
-- the small-M int8 GEMM against ``torch._int_mm`` over one decode step's worth of
-  int8 weights (30 layers x qkv, o, gate|up, down: 106 MB, so they come from
-  memory) at 1 and 4 rows.
+- the int8 GEMMs against ``torch._int_mm`` over one decode step's worth of int8
+  weights (30 layers x qkv, o, gate|up, down: 106 MB, so they come from memory):
+  the AVX2 small-M kernel at 1 and 4 rows and, on CPUs with AVX-512 VNNI, the
+  kernel on packed weights at 1, 8, ``--batch`` and 256 rows;
+- the lm_head (49,152 x 576) as an int8 linear (``quantize_lm_head``) against the
+  fp32 C++ linear, at ``--batch`` rows.
 
 Outputs are checked against each other before timing. Machines are noisy:
 compare ratios from one run.
@@ -33,7 +36,7 @@ import torch.nn.functional as F
 
 from radixray.engine.hugepages import empty_huge
 
-HEADS, KV_HEADS, HEAD_DIM, INTER, HIDDEN, LAYERS = 9, 3, 64, 1536, 576, 30
+HEADS, KV_HEADS, HEAD_DIM, INTER, HIDDEN, LAYERS, VOCAB = 9, 3, 64, 1536, 576, 30, 49152
 
 
 def _paired_medians(fast: Callable, slow: Callable, calls: int, repeats: int) -> tuple[float, float]:
@@ -110,12 +113,14 @@ def _mlp_row(ext, m: int, calls: int, repeats: int) -> dict:
             "rate": "fused vs 3 C++ ops"}
 
 
-def _int8_gemm_row(ext, m: int, weights: list[torch.Tensor], calls: int, repeats: int) -> dict:
+def _int8_gemm_row(label: str, gemm: Callable, m: int, weights: list[torch.Tensor], calls: int,
+                   repeats: int) -> dict:
+    """``gemm(x, i)``: the kernel's product of x with weight i, against torch._int_mm."""
     xs = {k: torch.randint(-127, 128, (m, k), dtype=torch.int8) for k in (HIDDEN, INTER)}
     transposed = [w.t() for w in weights]  # the layout Int8Linear hands torch._int_mm
 
     def kernel():
-        return [ext.int8_gemm_small_m(xs[w.shape[1]], w) for w in weights]
+        return [gemm(xs[w.shape[1]], i) for i, w in enumerate(weights)]
 
     def onednn():
         return [torch._int_mm(xs[w.shape[0]], w) for w in transposed]
@@ -123,8 +128,45 @@ def _int8_gemm_row(ext, m: int, weights: list[torch.Tensor], calls: int, repeats
     assert all(torch.equal(a, b) for a, b in zip(kernel(), onednn()))
     fast, slow = _paired_medians(kernel, onednn, calls, repeats)
     total = sum(w.numel() for w in weights)
-    return {"kernel": "int8 GEMM (step)", "shape": f"{m} rows x {len(weights)} weights",
+    return {"kernel": label, "shape": f"{m} rows x {len(weights)} weights",
             "cpp_ms": fast, "torch_ms": slow, "rate": f"{total / fast / 1e6:.1f} GB/s"}
+
+
+def _int8_gemm_rows(ext, batch: int, layers: int, calls: int, repeats: int) -> list[dict]:
+    from radixray.kernels.int8_linear import vnni_available
+    shapes = [(HEADS * HEAD_DIM + 2 * KV_HEADS * HEAD_DIM, HIDDEN), (HIDDEN, HEADS * HEAD_DIM),
+              (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+    weights = [torch.randint(-127, 128, s, dtype=torch.int8) for _ in range(layers) for s in shapes]
+    calls = max(1, calls // 10)
+    rows = [_int8_gemm_row("int8 GEMM AVX2", lambda x, i: ext.int8_gemm_small_m(x, weights[i]), m, weights,
+                           calls, repeats) for m in (1, 4)]
+    if vnni_available(ext):
+        packed = [ext.int8_vnni_pack(w) for w in weights]
+
+        def vnni(x, i):
+            return ext.int8_vnni_gemm(x, *packed[i], weights[i].shape[0])
+
+        rows += [_int8_gemm_row("int8 GEMM VNNI", vnni, m, weights, calls, repeats)
+                 for m in dict.fromkeys((1, 8, batch, 256))]
+    return rows
+
+
+def _lm_head_row(ext, m: int, calls: int, repeats: int) -> dict:
+    from radixray.kernels.int8_linear import Int8Linear, int8_linear_ref
+    w = torch.randn(VOCAB, HIDDEN) * 0.05
+    head = Int8Linear(w, None)
+    x = torch.randn(m, HIDDEN)
+
+    def int8():
+        return head(x)
+
+    def fp32():
+        return ext.linear_small_m(x, w)
+
+    torch.testing.assert_close(int8(), int8_linear_ref(x, head.w_q, head.w_scale), rtol=1e-4, atol=1e-4)
+    fast, slow = _paired_medians(int8, fp32, calls, repeats)
+    return {"kernel": "lm_head int8", "shape": f"{m} rows x {VOCAB}x{HIDDEN}", "cpp_ms": fast,
+            "torch_ms": slow, "rate": "vs the fp32 C++ linear"}
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -138,10 +180,8 @@ def run_cli(args: argparse.Namespace) -> int:
     rows += [_extend_row(ext, n, plen, max(1, args.calls // 4), args.repeats)
              for n, plen in ((args.prefill_len, 0), (128, 2048))]
     rows += [_mlp_row(ext, m, args.calls, args.repeats) for m in (2048, args.batch)]
-    shapes = [(HEADS * HEAD_DIM + 2 * KV_HEADS * HEAD_DIM, HIDDEN), (HIDDEN, HEADS * HEAD_DIM),
-              (2 * INTER, HIDDEN), (HIDDEN, INTER)]
-    weights = [torch.randint(-127, 128, s, dtype=torch.int8) for _ in range(args.layers) for s in shapes]
-    rows += [_int8_gemm_row(ext, m, weights, max(1, args.calls // 10), args.repeats) for m in (1, 4)]
+    rows += _int8_gemm_rows(ext, args.batch, args.layers, args.calls, args.repeats)
+    rows.append(_lm_head_row(ext, args.batch, max(1, args.calls // 4), args.repeats))
     print(f"\nthreads={torch.get_num_threads()}, medians of {args.repeats} rounds, turn about")
     print(f"{'kernel':<18} {'shape':<32} {'C++ ms':>8} {'other ms':>9} {'speedup':>8}  rate")
     for r in rows:

@@ -77,6 +77,7 @@ def run_offline_bench(args) -> dict:
     pool = args.max_total_tokens or max(
         max_batch * (args.context_len + args.decode_steps + 2), args.prefill_prompts * (args.prefill_len + 2)) + 64
     engine = Engine(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                    quantize_lm_head=args.quantize_lm_head,
                     kv_cache_dtype=args.kv_cache_dtype,
                     max_total_tokens=pool,
                     chunked_prefill_size=args.chunked_prefill_size,
@@ -85,6 +86,7 @@ def run_offline_bench(args) -> dict:
     dtype = engine.runner.dtype
     results: dict = {"model": args.model, "dtype": str(dtype).removeprefix("torch."),
                      "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+                     "quantize_lm_head": args.quantize_lm_head,
                      "threads": torch.get_num_threads(), "context_len": args.context_len,
                      "decode_steps": args.decode_steps, "weight_bytes": cost.weight_bytes}
     try:

@@ -5,7 +5,8 @@ Two measurements on the same weights:
 - **Perplexity** of a text file (teacher-forced, first ``--max-tokens`` tokens)
   under the Hugging Face model as loaded, and under the same model with every
   linear but the lm_head running the engine's int8 arithmetic
-  (``Int8ReferenceLinear``; tests check the engine matches it).
+  (``Int8ReferenceLinear``; tests check the engine matches it); with
+  ``--quantize-lm-head`` the lm_head as well.
 - **Greedy agreement**: chat prompts answered by two radixray Engines, unquantized
   and w8a8_int8; for each prompt, how many leading tokens are identical.
 
@@ -39,7 +40,7 @@ def load_hf_model(model: str):
     return src.tokenizer, AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32).eval()
 
 
-def perplexities(model: str, text: str, max_tokens: int) -> dict:
+def perplexities(model: str, text: str, max_tokens: int, lm_head: bool = False) -> dict:
     import torch
 
     from radixray.kernels.int8_linear import Int8ReferenceLinear, replace_linears
@@ -47,17 +48,18 @@ def perplexities(model: str, text: str, max_tokens: int) -> dict:
     ids = tok(text, return_tensors="pt").input_ids[:, :max_tokens]
     with torch.inference_mode():
         base = math.exp(hf(ids, labels=ids).loss.item())
-        replace_linears(hf, Int8ReferenceLinear)
+        replace_linears(hf, Int8ReferenceLinear, skip=() if lm_head else ("lm_head",))
         quant = math.exp(hf(ids, labels=ids).loss.item())
     return {"tokens": int(ids.shape[1]), "perplexity": base, "perplexity_w8a8_int8": quant}
 
 
-def greedy_agreement(model: str, max_new_tokens: int) -> list[dict]:
+def greedy_agreement(model: str, max_new_tokens: int, lm_head: bool = False) -> list[dict]:
     from radixray import Engine
     params = {"temperature": 0.0, "max_new_tokens": max_new_tokens}
     outputs = {}
     for quant in (None, "w8a8_int8"):
-        with Engine(model=model, quantization=quant, max_total_tokens=8192) as eng:
+        with Engine(model=model, quantization=quant, quantize_lm_head=lm_head and quant is not None,
+                    max_total_tokens=8192) as eng:
             ids = [eng.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
             outputs[quant] = eng.generate(input_ids=ids, sampling_params=params)
     rows = []
@@ -72,8 +74,8 @@ def greedy_agreement(model: str, max_new_tokens: int) -> list[dict]:
 def run_cli(args) -> int:
     with open(args.text_file, encoding="utf-8") as f:
         text = f.read()
-    ppl = perplexities(args.model, text, args.max_tokens)
-    rows = greedy_agreement(args.model, args.max_new_tokens)
+    ppl = perplexities(args.model, text, args.max_tokens, args.quantize_lm_head)
+    rows = greedy_agreement(args.model, args.max_new_tokens, args.quantize_lm_head)
     change = 100 * (ppl["perplexity_w8a8_int8"] / ppl["perplexity"] - 1)
     print(f"perplexity over {ppl['tokens']} tokens of {args.text_file}: "
           f"{ppl['perplexity']:.3f} unquantized, {ppl['perplexity_w8a8_int8']:.3f} w8a8_int8 ({change:+.2f}%)")
@@ -86,7 +88,8 @@ def run_cli(args) -> int:
           f"median identical prefix {statistics.median(prefixes)} tokens")
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"model": args.model, "text_file": args.text_file, **ppl, "greedy": rows}, f, indent=1)
+            json.dump({"model": args.model, "text_file": args.text_file, "quantize_lm_head": args.quantize_lm_head,
+                       **ppl, "greedy": rows}, f, indent=1)
     return 0
 
 
@@ -99,6 +102,8 @@ def add_parser(bench_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--text-file", default="README.md", help="text whose perplexity is measured")
     p.add_argument("--max-tokens", type=int, default=1024, help="tokens of the text used")
     p.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens per chat prompt")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="quantize the lm_head too (the engine's quantize_lm_head option)")
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=run_cli)
     return p

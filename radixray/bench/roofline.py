@@ -62,13 +62,17 @@ class ModelCost:
                 matmul += p.numel()
                 nbytes += p.numel() * p.element_size()
         for mod in model.modules():  # quantized layers keep their int8 weights as buffers
-            if isinstance(mod, Int8Linear):
-                matmul += mod.w_q_t.numel()
-                nbytes += mod.w_q_t.numel() * mod.w_q_t.element_size()
+            if isinstance(mod, Int8Linear):  # one byte a weight, read once whichever layout runs
+                matmul += mod.in_features * mod.out_features
+                nbytes += mod.in_features * mod.out_features
         head = model.lm_head_weight
-        if model.tie_word_embeddings:
+        int8_head = getattr(model, "lm_head_int8", None) is not None  # counted above
+        if model.tie_word_embeddings and not int8_head:
             matmul += head.numel()
             nbytes += head.numel() * head.element_size()
+        elif not model.tie_word_embeddings and int8_head:  # the fp32 head weight is not read
+            matmul -= head.numel()
+            nbytes -= head.numel() * head.element_size()
         attn = 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim
         return cls(nbytes, matmul, kv_bytes_per_token, attn)
 

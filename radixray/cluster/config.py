@@ -28,6 +28,7 @@ class EngineSection(BaseModel):
     model: str = "default"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     quantization: Literal["w8a8_int8"] | None = None
+    quantize_lm_head: bool = False  # w8a8_int8 only: the lm_head as an int8 GEMM too
     kv_cache_dtype: Literal["auto", "bfloat16"] = "auto"
     mem_fraction_static: float = Field(0.3, gt=0, lt=1)
     max_total_tokens: int | None = Field(None, ge=2)
@@ -47,6 +48,12 @@ class EngineSection(BaseModel):
     stream_interval: int = Field(1, ge=1)
     random_seed: int = 0
     check_kv_conservation: bool = False
+
+    @model_validator(mode="after")
+    def _lm_head_needs_int8(self) -> EngineSection:
+        if self.quantize_lm_head and self.quantization != "w8a8_int8":
+            raise ValueError("quantize_lm_head needs quantization: w8a8_int8")
+        return self
 
     def engine_options(self) -> dict:
         """Keyword arguments for radixray.Engine (every key is an EngineConfig field)."""

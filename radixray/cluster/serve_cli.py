@@ -20,7 +20,8 @@ logger = logging.getLogger("radixray.serve")
 # flag -> (section, field)
 _FLAG_FIELDS = {
     "model": ("engine", "model"), "dtype": ("engine", "dtype"),
-    "quantization": ("engine", "quantization"), "kv_cache_dtype": ("engine", "kv_cache_dtype"),
+    "quantization": ("engine", "quantization"), "quantize_lm_head": ("engine", "quantize_lm_head"),
+    "kv_cache_dtype": ("engine", "kv_cache_dtype"),
     "mem_fraction_static": ("engine", "mem_fraction_static"),
     "max_total_tokens": ("engine", "max_total_tokens"),
     "chunked_prefill_size": ("engine", "chunked_prefill_size"),
@@ -47,6 +48,9 @@ def add_parser(sub) -> None:
     p.add_argument("--quantization", choices=["w8a8_int8"],
                    help="int8 weights and activations for the linear layers (CPU; faster, "
                    "outputs close to but not equal to the unquantized model's)")
+    p.add_argument("--quantize-lm-head", action="store_true", default=None,
+                   help="with --quantization w8a8_int8: the lm_head too (faster decode at "
+                   "batch, some quality cost: see radixray bench quant-quality)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16"],
                    help="KV pool element type (auto: the model's; bfloat16 halves its bytes)")
     p.add_argument("--mem-fraction-static", type=float)

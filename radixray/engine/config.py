@@ -20,6 +20,7 @@ class EngineConfig:
     device: str = "cpu"
     kv_cache_dtype: str = "auto"  # "bfloat16" halves the KV pool's bytes (more tokens, faster decode reads)
     quantization: str | None = None  # None (weights as loaded) or "w8a8_int8" (int8 GEMMs, CPU)
+    quantize_lm_head: bool = False  # w8a8_int8 only: the lm_head too (faster decode, some quality cost)
     mem_fraction_static: float = 0.3  # share of available memory for weights + KV pool
     max_total_tokens: int | None = None  # explicit KV pool size in tokens (overrides the fraction)
     chunked_prefill_size: int | None = 2048  # None or <= 0 disables chunking
@@ -49,6 +50,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quantization == "w8a8_int8" and self.device != "cpu":
             raise ValueError("quantization='w8a8_int8' runs on the CPU only (device='cpu')")
+        if self.quantize_lm_head and self.quantization != "w8a8_int8":
+            raise ValueError("quantize_lm_head needs quantization='w8a8_int8', got "
+                             f"quantization={self.quantization!r}")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:

@@ -78,6 +78,9 @@ class ModelRunner:
         self.model.load_weights(source.weights())
         self.quantized_layers = quantize_linears(self.model, config.quantization,
                                                  fused_ops=config.cpu_kernels)
+        if config.quantize_lm_head:
+            self.model.quantize_lm_head(fused_ops=config.cpu_kernels)
+            self.quantized_layers += 1
         self.model.to(self.device).eval()
         if self.device == "cpu":
             pack_parameters_into_huge_pages(self.model)
@@ -113,10 +116,11 @@ class ModelRunner:
             attn.attn = self.attn_backend
 
         logger.info(
-            "Model %s loaded in %.1f s: dtype=%s (%s), quantization=%s (%d linear layers), "
+            "Model %s loaded in %.1f s: dtype=%s (%s), quantization=%s (%d linear layers, lm_head %s), "
             "%d layers, %d kv heads, head_dim %d",
             getattr(hf, "architectures", ["?"])[0], load_s, str(self.dtype).removeprefix("torch."),
-            dtype_reason, config.quantization, self.quantized_layers, hf.num_hidden_layers,
+            dtype_reason, config.quantization, self.quantized_layers,
+            "int8" if config.quantize_lm_head else "unquantized", hf.num_hidden_layers,
             hf.num_key_value_heads, head_dim)
         logger.info(
             "KV cache: bytes_per_token=%d, max_total_num_tokens=%d, kv_cache_mb=%.1f, chunked_prefill_size=%s, "

@@ -43,7 +43,8 @@ def load_extension():
         try:
             from torch.utils.cpp_extension import load
             csrc = os.path.join(os.path.dirname(__file__), "csrc")
-            sources = [os.path.join(csrc, name) for name in ("cpu_ops.cpp", "attention.cpp", "int8_ops.cpp")]
+            sources = [os.path.join(csrc, name) for name in ("cpu_ops.cpp", "attention.cpp", "int8_ops.cpp",
+                                                                  "int8_vnni.cpp")]
             logger.info("Loading radixray CPU kernels (compiled once per machine, ~1 min)")
             load(name="radixray_cpu_ops", sources=sources,
                  extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],

@@ -3,7 +3,7 @@
 Weights are quantized once at load time, symmetric per output channel
 (``w ~= w_q * w_scale[n]``); activations are quantized on every call, symmetric
 per token (``x ~= x_q * x_scale[m]``). The product runs as an int8 x int8 ->
-int32 GEMM (``torch._int_mm``, oneDNN on x86 CPUs) and is rescaled in fp32:
+int32 GEMM and is rescaled in fp32:
 
     y[m, n] = acc[m, n] * x_scale[m] * w_scale[n] (+ bias[n])
 
@@ -12,6 +12,16 @@ share its batch (a per-tensor activation scale would not). On a 2-vCPU EPYC with
 AVX-512 VNNI the int8 GEMM ran 3-5x the fp32 GEMM rate at prefill and batched
 decode shapes (docs/benchmarks.md), which is what the mode is for; CPUs without
 VNNI gain less. Outputs are close to, not equal to, the fp32 model's.
+
+Which GEMM runs (the integers are the same from all three):
+
+- CPUs with AVX-512 VNNI: up to ``VNNI_M_MAX`` rows a C++ kernel on a copy of the
+  weight packed at load time in the instruction's order (csrc/int8_vnni.cpp);
+  more rows (long prefills) ``torch._int_mm``, where oneDNN is as fast. Both
+  layouts are kept: twice the int8 weight bytes, still half of bf16's.
+- other AVX2 CPUs: up to ``SMALL_M_MAX`` rows the AVX2 kernel
+  (``int8_gemm_small_m``), more rows ``torch._int_mm``.
+- no C++ kernels: ``torch._int_mm``.
 """
 
 from __future__ import annotations
@@ -27,6 +37,21 @@ _QMAX = 127.0
 # memory: 120 model-sized GEMMs took 3.9 / 4.3 / 5.3 / 9.6 ms against 6.3 / 8.2 / 8.8 /
 # 9.7 ms at 1 / 2 / 4 / 8 rows on this project's machine (docs/benchmarks.md).
 SMALL_M_MAX = 4
+# Rows up to which the VNNI kernel on packed weights beats torch._int_mm: 1.5-1.8x at 1-32
+# rows (weights from memory), 1.1-1.3x at 256, on par at 1,024-2,048 (docs/benchmarks.md).
+VNNI_M_MAX = 512
+
+
+def vnni_available(ext) -> bool:
+    """Whether the extension ``ext`` (or None) can run the AVX-512 VNNI GEMM on this CPU."""
+    return ext is not None and bool(ext.int8_vnni_supported())
+
+
+def unpack_vnni(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The [n, k] int8 weight back from ``int8_vnni_pack``'s layout ([blocks, Kp / 4, 16, 4])."""
+    blocks = packed.shape[0]
+    tiles = packed.view(blocks, -1, 16, 4).permute(0, 2, 1, 3)
+    return tiles.reshape(blocks * 16, -1)[:n, :k].contiguous()
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,6 +101,10 @@ class Int8Linear(nn.Module):
         w_q, w_scale = quantize_per_channel(weight)
         # _int_mm wants the [K, N] operand; a transposed view of the [N, K] rows is its fast layout.
         self.register_buffer("w_q_t", w_q.t(), persistent=False)
+        self.vnni = vnni_available(self.ext)
+        packed, comp = self.ext.int8_vnni_pack(w_q) if self.vnni else (None, None)
+        self.register_buffer("w_vnni", packed, persistent=False)
+        self.register_buffer("w_vnni_comp", comp, persistent=False)
         self.register_buffer("w_scale", w_scale, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone(),
                              persistent=False)
@@ -94,12 +123,13 @@ class Int8Linear(nn.Module):
         return rescale_ref(self.accumulate(x_q), x_scale, self.w_scale, self.bias).to(x.dtype)
 
     def accumulate(self, x_q: torch.Tensor) -> torch.Tensor:
-        """The int32 GEMM alone: ``x_q`` [M, K] int8 codes -> [M, N] int32 accumulator.
-
-        Up to ``SMALL_M_MAX`` rows (decode at low load) a C++ kernel streams the weight
-        rows at close to memory bandwidth, where oneDNN's GEMM reads them at about a
-        third of it; the integers are the same either way."""
-        if self.ext is not None and x_q.shape[0] <= SMALL_M_MAX:
+        """The int32 GEMM alone: ``x_q`` [M, K] int8 codes -> [M, N] int32 accumulator,
+        by the kernel the module docstring names for this CPU and M; the integers are
+        the same whichever runs."""
+        rows = x_q.shape[0]
+        if self.vnni and rows <= VNNI_M_MAX:
+            return self.ext.int8_vnni_gemm(x_q, self.w_vnni, self.w_vnni_comp, self.out_features)
+        if self.ext is not None and rows <= SMALL_M_MAX:
             return self.ext.int8_gemm_small_m(x_q, self.w_q)
         return torch._int_mm(x_q, self.w_q_t)
 

@@ -6,6 +6,7 @@ import pytest
 
 from radixray.cli import main
 from radixray.kernels.cpu_ops import load_extension
+from radixray.kernels.int8_linear import vnni_available
 
 
 @pytest.mark.skipif(load_extension() is None, reason="C++ CPU kernels not built here")
@@ -15,7 +16,8 @@ def test_bench_kernels_reports_each_kernel(tmp_path, capsys):
                "--calls", "1", "--repeats", "1", "--layers", "1", "--output-json", str(out)])
     assert rc == 0
     rows = json.loads(out.read_text())["rows"]
+    vnni = ["int8 GEMM VNNI"] * 4 if vnni_available(load_extension()) else []  # 1, 8, 3, 256 rows
     assert [r["kernel"] for r in rows] == ["decode attention"] * 2 + ["extend attention"] * 2 + \
-        ["int8 MLP middle"] * 2 + ["int8 GEMM (step)"] * 2
+        ["int8 MLP middle"] * 2 + ["int8 GEMM AVX2"] * 2 + vnni + ["lm_head int8"]
     assert all(r["cpp_ms"] > 0 and r["torch_ms"] > 0 and r["speedup"] > 0 for r in rows)
     assert "speedup" in capsys.readouterr().out

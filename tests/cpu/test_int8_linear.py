@@ -153,23 +153,31 @@ def test_config_names_the_field():
         EngineConfig(quantization="int4")
     with pytest.raises(ValueError, match="CPU only"):
         EngineConfig(quantization="w8a8_int8", device="cuda")
+    with pytest.raises(ValueError, match="quantize_lm_head needs quantization='w8a8_int8'"):
+        EngineConfig(quantize_lm_head=True)
+    from radixray.cluster.config import ConfigError, ServeConfig
+    with pytest.raises(ConfigError, match="quantize_lm_head needs quantization: w8a8_int8"):
+        ServeConfig.parse({"engine": {"quantize_lm_head": True}})
+    assert ServeConfig.parse({"engine": {"quantization": "w8a8_int8", "quantize_lm_head": True}}) \
+        .engine.engine_options()["quantize_lm_head"] is True
 
 
 QUANT_NEAR_TIE = 1e-3  # a last-bit difference before a rounding step can move one int8 code
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_engine_matches_hf_with_the_same_quantization(kind, request):
+@pytest.mark.parametrize("kind,lm_head", [("llama", False), ("qwen2", False), ("llama", True)])
+def test_engine_matches_hf_with_the_same_quantization(kind, lm_head, request):
     from transformers import AutoModelForCausalLM
     model_dir = request.getfixturevalue(f"tiny_{kind}_dir")
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    replace_linears(hf, Int8ReferenceLinear)
+    replace_linears(hf, Int8ReferenceLinear, skip=() if lm_head else ("lm_head",))
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, hf.config.vocab_size, (n,), generator=g).tolist() for n in (5, 19, 40)]
     greedy = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
-    with Engine(model=model_dir, dtype="float32", quantization="w8a8_int8", max_total_tokens=4096,
-                check_kv_conservation=True) as eng:
-        assert eng.runner.quantized_layers == 4 * hf.config.num_hidden_layers
+    with Engine(model=model_dir, dtype="float32", quantization="w8a8_int8", quantize_lm_head=lm_head,
+                max_total_tokens=4096, check_kv_conservation=True) as eng:
+        assert eng.runner.quantized_layers == 4 * hf.config.num_hidden_layers + lm_head
+        assert (eng.runner.model.lm_head_int8 is not None) == lm_head
         outs = eng.generate(input_ids=prompts, sampling_params=greedy)
         eng.check_kv_conservation()
     for i, (p, out) in enumerate(zip(prompts, outs)):

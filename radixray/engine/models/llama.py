@@ -15,6 +15,7 @@ from torch import nn
 from radixray.engine.forward_batch import ForwardBatch, ForwardMode
 from radixray.engine.models.layers import RMSNorm, RotaryEmbedding, load_into_shard
 from radixray.kernels.cpu_ops import CpuKernels, reference_kernels
+from radixray.kernels.int8_linear import Int8Linear
 
 
 class LlamaAttention(nn.Module):
@@ -95,7 +96,13 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head_int8: Int8Linear | None = None  # set by quantize_lm_head
         self.to(dtype)
+
+    def quantize_lm_head(self, fused_ops: bool = True) -> None:
+        """Run the logits projection as an int8 GEMM from now on (``Int8Linear`` over a
+        copy of the head's weight; the fp32 weight stays, the embedding may share it)."""
+        self.lm_head_int8 = Int8Linear(self.lm_head_weight.data, None, fused_ops=fused_ops)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -110,7 +117,10 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x = layer(batch.positions, x, batch)
         last = x if batch.mode is ForwardMode.DECODE else x[batch.last_token_rows()]
-        return self.kernels.linear(self.norm(last), self.lm_head_weight).float()
+        h = self.norm(last)
+        if self.lm_head_int8 is not None:
+            return self.lm_head_int8(h).float()
+        return self.kernels.linear(h, self.lm_head_weight).float()
 
     # ---- weight loading -------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,0 +1,69 @@
+"""The AVX-512 VNNI int8 GEMM on packed weights (csrc/int8_vnni.cpp) against an int32
+matmul, its packed layout, and where ``Int8Linear`` uses it. Skipped on CPUs without VNNI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixray.kernels.cpu_ops import load_extension
+from radixray.kernels.int8_linear import VNNI_M_MAX, Int8Linear, unpack_vnni, vnni_available
+
+EXT = load_extension()
+needs_vnni = pytest.mark.skipif(not vnni_available(EXT), reason="no AVX-512 VNNI (or no C++ kernels) here")
+
+
+def _codes(shape, seed):
+    return torch.randint(-127, 128, shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+
+
+@needs_vnni
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 8, 9, 17, 33, 100])
+@pytest.mark.parametrize("k,n", [(5, 17), (70, 40), (576, 960), (1536, 576), (64, 49)])
+def test_vnni_gemm_gives_the_same_integers(m, k, n):
+    x, w = _codes((m, k), m * 1000 + k), _codes((n, k), n * 7 + k)
+    x[0], w[0] = 127, 127  # the largest sums, both signs, and the smallest code
+    x[-1], w[-1] = -127, 127
+    x[-1, 0] = -128
+    packed, comp = EXT.int8_vnni_pack(w)
+    assert torch.equal(EXT.int8_vnni_gemm(x, packed, comp, n), x.int() @ w.int().t())
+
+
+@needs_vnni
+def test_vnni_pack_layout_round_trips_and_checks_shapes():
+    w = _codes((37, 70), 3)  # neither N a multiple of 16 nor K of 4: both padded
+    packed, comp = EXT.int8_vnni_pack(w)
+    assert packed.shape == (3, 72 * 16) and comp.shape == (48,)
+    assert torch.equal(unpack_vnni(packed, 37, 70), w)
+    assert torch.equal(comp[:37], 128 * w.int().sum(1)) and not comp[37:].any()
+    with pytest.raises(RuntimeError, match="does not match x's K = 64"):
+        EXT.int8_vnni_gemm(_codes((2, 64), 4), packed, comp, 37)
+    assert EXT.int8_vnni_gemm(_codes((0, 70), 5), packed, comp, 37).shape == (0, 37)
+
+
+@needs_vnni
+def test_int8_linear_uses_vnni_up_to_its_bound_and_int_mm_above():
+    layer = Int8Linear(torch.randn(40, 64), None)
+    assert layer.vnni and torch.equal(unpack_vnni(layer.w_vnni, 40, 64), layer.w_q)
+    calls = []
+    real = EXT.int8_vnni_gemm
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(EXT, name)
+
+        def int8_vnni_gemm(self, *args):
+            calls.append(args[0].shape[0])
+            return real(*args)
+
+    layer.ext = Spy()
+    for rows in (1, 33, VNNI_M_MAX, VNNI_M_MAX + 1):
+        x_q = _codes((rows, 64), rows)
+        assert torch.equal(layer.accumulate(x_q), x_q.int() @ layer.w_q.int().t())
+    assert calls == [1, 33, VNNI_M_MAX]
+
+
+def test_vnni_support_is_a_plain_answer():
+    assert vnni_available(None) is False
+    if EXT is not None:
+        assert isinstance(EXT.int8_vnni_supported(), bool)
