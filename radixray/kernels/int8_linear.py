@@ -116,6 +116,10 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ext = self.ext
+        if self.vnni and x.dtype == torch.float32 and x.shape[0] <= VNNI_M_MAX:
+            # quantize, GEMM and rescale in one call: the same bits as the three steps below
+            return ext.int8_vnni_linear(x, None, self.w_vnni, self.w_vnni_comp, self.w_scale, self.bias,
+                                        self.out_features)
         if ext is not None and x.dtype == torch.float32:
             x_q, x_scale = ext.quantize_rows_int8(x)
             return ext.rescale_int8_acc(self.accumulate(x_q), x_scale, self.w_scale, self.bias)
@@ -158,6 +162,9 @@ def int8_gated_mlp(x: torch.Tensor, gate_up: Int8Linear, down: Int8Linear) -> to
     x_q, x_scale = ext.quantize_rows_int8(x)
     h_q, h_scale = ext.rescale_silu_mul_quantize(gate_up.accumulate(x_q), x_scale, gate_up.w_scale,
                                                  gate_up.bias)
+    if down.vnni and h_q.shape[0] <= VNNI_M_MAX:  # down's GEMM and rescale in one call
+        return ext.int8_vnni_linear(h_q, h_scale, down.w_vnni, down.w_vnni_comp, down.w_scale, down.bias,
+                                    down.out_features)
     return ext.rescale_int8_acc(down.accumulate(h_q), h_scale, down.w_scale, down.bias)
 
 

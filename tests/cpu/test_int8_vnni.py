@@ -67,3 +67,32 @@ def test_vnni_support_is_a_plain_answer():
     assert vnni_available(None) is False
     if EXT is not None:
         assert isinstance(EXT.int8_vnni_supported(), bool)
+
+
+@needs_vnni
+@pytest.mark.parametrize("m,k,n,bias", [(1, 576, 960, False), (5, 70, 49, True), (33, 1536, 576, True),
+                                         (8, 64, 16, False)])
+def test_vnni_linear_equals_the_separate_ops(m, k, n, bias):
+    """quantize -> GEMM -> rescale in one call gives the bits of the three ops, from fp32
+    rows or from codes and their scales."""
+    g = torch.Generator().manual_seed(m + n)
+    x = torch.randn(m, k, generator=g) * 3
+    w_q, w_scale = _codes((n, k), n), torch.rand(n, generator=g) * 0.01
+    b = torch.randn(n, generator=g) if bias else None
+    packed, comp = EXT.int8_vnni_pack(w_q)
+    x_q, x_scale = EXT.quantize_rows_int8(x)
+    want = EXT.rescale_int8_acc(EXT.int8_vnni_gemm(x_q, packed, comp, n), x_scale, w_scale, b)
+    assert torch.equal(EXT.int8_vnni_linear(x, None, packed, comp, w_scale, b, n), want)
+    assert torch.equal(EXT.int8_vnni_linear(x_q, x_scale, packed, comp, w_scale, b, n), want)
+
+
+@needs_vnni
+def test_vnni_linear_names_what_is_wrong():
+    packed, comp = EXT.int8_vnni_pack(_codes((16, 32), 1))
+    w_scale = torch.ones(16)
+    with pytest.raises(RuntimeError, match="x_scale goes with int8 x"):
+        EXT.int8_vnni_linear(torch.randn(2, 32), torch.ones(2), packed, comp, w_scale, None, 16)
+    with pytest.raises(RuntimeError, match="w_scale size"):
+        EXT.int8_vnni_linear(torch.randn(2, 32), None, packed, comp, torch.ones(15), None, 16)
+    with pytest.raises(RuntimeError, match="bias must be float32"):
+        EXT.int8_vnni_linear(torch.randn(2, 32), None, packed, comp, w_scale, torch.ones(16).double(), 16)

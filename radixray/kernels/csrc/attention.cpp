@@ -9,11 +9,14 @@
 //
 // One work item per request (per (request, kv head) pair when there are fewer than two
 // requests per thread). Keys are read row by row in token order, all heads of a row at
-// once, and 8 tokens' dot products are reduced together; values are read in blocks of 16
+// once (each key head widened from bf16 once for the query heads that share it), and 8
+// tokens' dot products are reduced together; values are read in blocks of 16
 // rows with the query heads that share a kv head (up to 3) accumulating in registers. So
-// every key and value row is read from memory once per step, in order, and the kernel
-// runs at the speed of reading the pool (~23 GB/s here for fp32 and bf16 pools alike; a
-// bf16 pool is half the bytes, so twice as fast). The softmax runs on 8 lanes with a
+// every key and value row is read from memory once per step, in order. A bf16 pool that
+// sits in L3 is read at ~24 GB/s; a real step's 30 layers of pools come from memory at
+// ~14.7 GB/s (software prefetching 16-64 tokens ahead, to L1 or L2, and huge pages did
+// not change that), about half of what a plain sum reads, as memory and compute overlap
+// poorly. The softmax runs on 8 lanes with a
 // vectorized exp. The earlier kernel (one dot product and one scalar exp per head and
 // token) was compute-bound on bf16 pools: 1.5 vs 0.77 ms for 32 requests x 570 tokens.
 //
@@ -133,9 +136,38 @@ void pv_tail(const float* P, int64_t Lp, int64_t n, const T* V, const int64_t* i
 constexpr int64_t kTokenBlock = 16;
 constexpr int64_t kTransposeMinTokens = 16;  // extend: fewer new tokens skip the transposed key copy
 
+// part[g * 8 + j] = the 8 partial sums of q_g . k over the first DV columns (a multiple of 8),
+// for NG query rows (Q, D apart) that share the key head row kh: each 8 columns of the key
+// are loaded (and widened from bf16) once for all NG rows. Fixed NG keeps the sums in registers.
+template <typename T, int NG>
+inline void qk_group(const float* Q, int64_t D, int64_t DV, const T* kh, __m256* part, int64_t j) {
+  __m256 acc[NG];
+  for (int g = 0; g < NG; ++g) acc[g] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < DV; d += 8) {
+    const __m256 kv = load8(kh + d);
+    for (int g = 0; g < NG; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(Q + g * D + d), kv, acc[g]);
+  }
+  for (int g = 0; g < NG; ++g) part[g * 8 + j] = acc[g];
+}
+
+template <typename T>
+inline void qk_group_n(int64_t ng, const float* Q, int64_t D, int64_t DV, const T* kh, __m256* part, int64_t j) {
+  switch (ng) {
+    case 1: qk_group<T, 1>(Q, D, DV, kh, part, j); break;
+    case 2: qk_group<T, 2>(Q, D, DV, kh, part, j); break;
+    case 3: qk_group<T, 3>(Q, D, DV, kh, part, j); break;
+    case 4: qk_group<T, 4>(Q, D, DV, kh, part, j); break;
+    case 5: qk_group<T, 5>(Q, D, DV, kh, part, j); break;
+    case 6: qk_group<T, 6>(Q, D, DV, kh, part, j); break;
+    case 7: qk_group<T, 7>(Q, D, DV, kh, part, j); break;
+    default: qk_group<T, 8>(Q, D, DV, kh, part, j); break;
+  }
+}
+
 // S[r][t] = sc * q_r . k_t for t < L and R query rows (row r at Q + r * D, reading the key
-// head at K + (r / G) * kstep of each key row). Rows in token order, all query rows per key
-// row; 8 tokens' sums reduced at once, columns past the last multiple of 8 added after.
+// head at K + (r / G) * kstep of each key row; R a multiple of G). Rows in token order, all
+// query rows per key row, each key head widened once for its G rows (in groups of up to 8);
+// 8 tokens' sums reduced at once, columns past the last multiple of 8 added after.
 // Lanes in [L, Lp) hold garbage (the last valid row repeated) for the softmax to mask.
 template <typename T>
 void qk_rows(const float* Q, int64_t D, int64_t G, int64_t R, const T* K, int64_t kstep, const int64_t* idx,
@@ -145,18 +177,10 @@ void qk_rows(const float* Q, int64_t D, int64_t G, int64_t R, const T* K, int64_
     const int64_t nt = std::min<int64_t>(8, L - t0);
     for (int64_t j = 0; j < 8; ++j) {
       const T* kt = K + idx[t0 + std::min(j, nt - 1)] * row;
-      for (int64_t r = 0; r < R; ++r) {
-        const T* kh = kt + (r / G) * kstep;
-        const float* q = Q + r * D;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        int64_t d = 0;
-        for (; d + 16 <= DV; d += 16) {
-          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(kh + d), a0);
-          a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(kh + d + 8), a1);
-        }
-        if (d < DV) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(kh + d), a0);
-        part[r * 8 + j] = _mm256_add_ps(a0, a1);
-      }
+      for (int64_t r0 = 0; r0 < R; r0 += G)
+        for (int64_t g0 = 0; g0 < G; g0 += 8)
+          qk_group_n(std::min<int64_t>(8, G - g0), Q + (r0 + g0) * D, D, DV, kt + (r0 / G) * kstep,
+                     part + (r0 + g0) * 8, j);
     }
     for (int64_t r = 0; r < R; ++r)
       _mm256_storeu_ps(S + r * Lp + t0, _mm256_mul_ps(hsum8(part + r * 8), _mm256_set1_ps(sc)));
@@ -190,9 +214,10 @@ void attend_request(const float* Q, const T* KP, const T* VP, const int64_t* idx
   __m256* part = scratch.part.data();
   qk_rows(Q + k0 * G * D, D, G, (k1 - k0) * G, KP + k0 * D, D, idx, row, L, sc, part, S + k0 * G * Lp, Lp);
   for (int64_t h = k0 * G; h < k1 * G; ++h) softmax_padded(S + h * Lp, L, Lp);
-  for (int64_t t0 = 0; t0 < L; t0 += kTokenBlock)  // blocks outer: each block's rows read once, in order
+  for (int64_t t0 = 0; t0 < L; t0 += kTokenBlock) {  // blocks outer: each block's rows read once, in order
     for (int64_t kh = k0; kh < k1; ++kh)
       pv_heads(S + kh * G * Lp, Lp, G, VP + kh * D, idx, row, t0, std::min(L, t0 + kTokenBlock), D, O + kh * G * D);
+  }
   for (int64_t kh = k0; kh < k1; ++kh) pv_tail(S + kh * G * Lp, Lp, G, VP + kh * D, idx, row, L, D, O + kh * G * D);
 }
 

@@ -8,6 +8,10 @@
 // column: sum_k (x + 128) * w = sum_k x * w + 128 * sum_k w, with 128 * sum_k w[n, k]
 // computed at pack time. The products cannot overflow (|sum| <= K * 255 * 127), so the
 // result is the same integers as torch._int_mm. Reference: tests/cpu/test_int8_vnni.py.
+//
+// int8_vnni_linear is the whole int8 linear in one call: the rows quantized on the way in
+// and the accumulators rescaled to fp32 on the way out, with the same row functions
+// (int8_rows.h) as the separate ops, so the result has the same bits.
 #include <torch/extension.h>
 #include <immintrin.h>
 #include <omp.h>
@@ -15,7 +19,29 @@
 #include <cstring>
 #include <vector>
 
+#include "int8_rows.h"
+
 namespace {
+
+// Where a tile's int32 results go (acc - comp, `width` valid columns from column n).
+struct Int32Out {
+  int32_t* y;
+  int64_t ldy;
+  void row(int64_t m, int64_t n, int64_t width, const int32_t* vals) const {
+    std::memcpy(y + m * ldy + n, vals, static_cast<size_t>(width) * sizeof(int32_t));
+  }
+};
+
+struct RescaledOut {  // y = (acc * x_scale[m]) * w_scale[n] (+ bias[n]), as rescale_int8_acc
+  float* y;
+  int64_t ldy;
+  const float* x_scale;
+  const float* w_scale;
+  const float* bias;
+  void row(int64_t m, int64_t n, int64_t width, const int32_t* vals) const {
+    radixray_int8::rescale_row(vals, x_scale[m], w_scale + n, bias ? bias + n : nullptr, y + m * ldy + n, width);
+  }
+};
 
 constexpr int64_t kCols = 16;  // output columns per packed block (one zmm of int32)
 
@@ -30,11 +56,11 @@ inline __m512i dpbusd(__m512i acc, __m512i a, __m512i w) {
   return acc;
 }
 
-// MT rows x NB column blocks of Y. xu: MT rows of Kp unsigned bytes (stride Kp); wp: the
-// first of NB packed blocks (stride Kp * 16 bytes); comp: their columns' corrections.
-template <int MT, int NB>
-void vnni_tile(const uint8_t* xu, int64_t Kp, const int8_t* wp, const int32_t* comp, int32_t* y,
-               int64_t ldy, int64_t n0, int64_t N) {
+// Rows m0..m0+MT-1 x NB column blocks from column n0. xu: the rows' Kp unsigned bytes each
+// (stride Kp); wp: the first of NB packed blocks (stride Kp * 16 bytes); comp: per column.
+template <int MT, int NB, class Out>
+void vnni_tile(const uint8_t* xu, int64_t Kp, const int8_t* wp, const int32_t* comp, const Out& out,
+               int64_t m0, int64_t n0, int64_t N) {
   __m512i acc[MT][NB];
 #pragma GCC unroll 8
   for (int m = 0; m < MT; ++m)
@@ -54,51 +80,59 @@ void vnni_tile(const uint8_t* xu, int64_t Kp, const int8_t* wp, const int32_t* c
       for (int j = 0; j < NB; ++j) acc[m][j] = dpbusd(acc[m][j], a, w[j]);
     }
   }
+  alignas(64) int32_t vals[MT][NB * kCols];
 #pragma GCC unroll 8
   for (int j = 0; j < NB; ++j) {
-    const int64_t n = n0 + j * kCols;
-    const __mmask16 mask = n + kCols <= N ? static_cast<__mmask16>(0xffff)
-                                          : static_cast<__mmask16>((1u << (N - n)) - 1u);
-    const __m512i c = _mm512_loadu_si512(comp + n);
+    const __m512i c = _mm512_loadu_si512(comp + n0 + j * kCols);
 #pragma GCC unroll 8
-    for (int m = 0; m < MT; ++m) _mm512_mask_storeu_epi32(y + m * ldy + n, mask, _mm512_sub_epi32(acc[m][j], c));
+    for (int m = 0; m < MT; ++m) _mm512_store_si512(vals[m] + j * kCols, _mm512_sub_epi32(acc[m][j], c));
   }
+  const int64_t width = std::min<int64_t>(NB * kCols, N - n0);
+  for (int m = 0; m < MT; ++m) out.row(m0 + m, n0, width, vals[m]);
 }
 
 // All rows against NB column blocks starting at block nb: row tiles of MT, then the rest.
-template <int MT, int NB>
-void vnni_rows(const uint8_t* xu, int64_t M, int64_t Kp, const int8_t* wp, const int32_t* comp, int32_t* y,
+template <int MT, int NB, class Out>
+void vnni_rows(const uint8_t* xu, int64_t M, int64_t Kp, const int8_t* wp, const int32_t* comp, const Out& out,
                int64_t nb, int64_t N) {
   const int8_t* w = wp + nb * Kp * kCols;
   const int64_t n0 = nb * kCols;
   int64_t m = 0;
-  for (; m + MT <= M; m += MT) vnni_tile<MT, NB>(xu + m * Kp, Kp, w, comp, y + m * N, N, n0, N);
+  for (; m + MT <= M; m += MT) vnni_tile<MT, NB>(xu + m * Kp, Kp, w, comp, out, m, n0, N);
   const uint8_t* xr = xu + m * Kp;
-  int32_t* yr = y + m * N;
   switch (M - m) {
-    case 1: vnni_tile<1, NB>(xr, Kp, w, comp, yr, N, n0, N); break;
-    case 2: vnni_tile<2, NB>(xr, Kp, w, comp, yr, N, n0, N); break;
-    case 3: vnni_tile<3, NB>(xr, Kp, w, comp, yr, N, n0, N); break;
-    case 4: vnni_tile<4, NB>(xr, Kp, w, comp, yr, N, n0, N); break;
-    case 5: vnni_tile<5, NB>(xr, Kp, w, comp, yr, N, n0, N); break;
-    case 6: vnni_tile<6, NB>(xr, Kp, w, comp, yr, N, n0, N); break;
-    case 7: vnni_tile<7, NB>(xr, Kp, w, comp, yr, N, n0, N); break;
+    case 1: vnni_tile<1, NB>(xr, Kp, w, comp, out, m, n0, N); break;
+    case 2: vnni_tile<2, NB>(xr, Kp, w, comp, out, m, n0, N); break;
+    case 3: vnni_tile<3, NB>(xr, Kp, w, comp, out, m, n0, N); break;
+    case 4: vnni_tile<4, NB>(xr, Kp, w, comp, out, m, n0, N); break;
+    case 5: vnni_tile<5, NB>(xr, Kp, w, comp, out, m, n0, N); break;
+    case 6: vnni_tile<6, NB>(xr, Kp, w, comp, out, m, n0, N); break;
+    case 7: vnni_tile<7, NB>(xr, Kp, w, comp, out, m, n0, N); break;
     default: break;
   }
 }
 
 // Groups of NB column blocks spread over the threads; a last partial group one block at a time.
-template <int MT, int NB>
-void vnni_gemm(const uint8_t* xu, int64_t M, int64_t Kp, const int8_t* wp, const int32_t* comp, int32_t* y,
-               int64_t N) {
+template <int MT, int NB, class Out>
+void vnni_gemm_blocks(const uint8_t* xu, int64_t M, int64_t Kp, const int8_t* wp, const int32_t* comp,
+                      const Out& out, int64_t N) {
   const int64_t blocks = (N + kCols - 1) / kCols;
   const int64_t groups = blocks / NB;
   const int64_t tail = blocks - groups * NB;
 #pragma omp parallel for schedule(static)
   for (int64_t g = 0; g < groups + tail; ++g) {
-    if (g < groups) vnni_rows<MT, NB>(xu, M, Kp, wp, comp, y, g * NB, N);
-    else vnni_rows<MT, 1>(xu, M, Kp, wp, comp, y, groups * NB + (g - groups), N);
+    if (g < groups) vnni_rows<MT, NB>(xu, M, Kp, wp, comp, out, g * NB, N);
+    else vnni_rows<MT, 1>(xu, M, Kp, wp, comp, out, groups * NB + (g - groups), N);
   }
+}
+
+// 8 x 3 tiles: 24 accumulators, 3 weight registers and a broadcast of the 32; with at most
+// 4 rows, 4 blocks a group (16 accumulators at most)
+template <class Out>
+void vnni_gemm(const uint8_t* xu, int64_t M, int64_t Kp, const int8_t* wp, const int32_t* comp, const Out& out,
+               int64_t N) {
+  if (M >= 5) vnni_gemm_blocks<8, 3>(xu, M, Kp, wp, comp, out, N);
+  else vnni_gemm_blocks<8, 4>(xu, M, Kp, wp, comp, out, N);
 }
 
 #pragma GCC pop_options
@@ -137,31 +171,82 @@ std::vector<torch::Tensor> int8_vnni_pack(torch::Tensor w) {
   return {packed, comp};
 }
 
+namespace {
+
+int64_t check_packed(const torch::Tensor& packed, const torch::Tensor& comp, int64_t K, int64_t N, const char* op) {
+  TORCH_CHECK(int8_vnni_supported(), op, ": this CPU has no AVX-512 VNNI");
+  const int64_t Kp = (K + 3) / 4 * 4, blocks = (N + kCols - 1) / kCols;
+  TORCH_CHECK(packed.scalar_type() == torch::kInt8 && packed.is_contiguous() && packed.dim() == 2 &&
+              packed.size(0) == blocks && packed.size(1) == Kp * kCols,
+              op, ": packed weight does not match x's K = ", K, " and N = ", N);
+  TORCH_CHECK(comp.scalar_type() == torch::kInt32 && comp.numel() == blocks * kCols, op, ": comp size");
+  return Kp;
+}
+
+// int8 codes -> unsigned bytes (flip the sign bit = add 128), rows padded to Kp with code 0.
+std::vector<uint8_t> to_unsigned(const int8_t* X, int64_t M, int64_t K, int64_t Kp) {
+  std::vector<uint8_t> xu(static_cast<size_t>(M * Kp), 0x80);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xu[m * Kp + k] = static_cast<uint8_t>(X[m * K + k]) ^ 0x80;
+  return xu;
+}
+
+}  // namespace
+
 // x [M, K] int8, (packed, comp) from int8_vnni_pack of a [N, K] weight -> [M, N] int32,
 // the same integers as torch._int_mm(x, w.t()).
 torch::Tensor int8_vnni_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor comp, int64_t N) {
-  TORCH_CHECK(int8_vnni_supported(), "int8_vnni_gemm: this CPU has no AVX-512 VNNI");
   TORCH_CHECK(x.scalar_type() == torch::kInt8 && x.dim() == 2, "int8_vnni_gemm: x must be a 2-D int8 tensor");
-  const int64_t M = x.size(0), K = x.size(1), Kp = (K + 3) / 4 * 4, blocks = (N + kCols - 1) / kCols;
-  TORCH_CHECK(packed.scalar_type() == torch::kInt8 && packed.is_contiguous() && packed.dim() == 2 &&
-              packed.size(0) == blocks && packed.size(1) == Kp * kCols,
-              "int8_vnni_gemm: packed weight does not match x's K = ", K, " and N = ", N);
-  TORCH_CHECK(comp.scalar_type() == torch::kInt32 && comp.numel() == blocks * kCols, "int8_vnni_gemm: comp size");
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t Kp = check_packed(packed, comp, K, N, "int8_vnni_gemm");
   x = x.contiguous();
   auto y = torch::empty({M, N}, x.options().dtype(torch::kInt32));
   if (M == 0) return y;
-  // activations to unsigned (flip the sign bit = add 128), rows padded to Kp with code 0
-  std::vector<uint8_t> xu(static_cast<size_t>(M * Kp), 0x80);
-  const int8_t* X = x.data_ptr<int8_t>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xu[m * Kp + k] = static_cast<uint8_t>(X[m * K + k]) ^ 0x80;
-  const int8_t* P = packed.data_ptr<int8_t>();
-  const int32_t* C = comp.data_ptr<int32_t>();
-  int32_t* Y = y.data_ptr<int32_t>();
-  // 8 x 3 tiles: 24 accumulators, 3 weight registers and a broadcast of the 32; with at
-  // most 4 rows, 4 blocks a group (16 accumulators at most)
-  if (M >= 5) vnni_gemm<8, 3>(xu.data(), M, Kp, P, C, Y, N);
-  else vnni_gemm<8, 4>(xu.data(), M, Kp, P, C, Y, N);
+  const std::vector<uint8_t> xu = to_unsigned(x.data_ptr<int8_t>(), M, K, Kp);
+  vnni_gemm(xu.data(), M, Kp, packed.data_ptr<int8_t>(), comp.data_ptr<int32_t>(),
+            Int32Out{y.data_ptr<int32_t>(), N}, N);
+  return y;
+}
+
+// The whole int8 linear -> [M, N] fp32. x is either fp32 [M, K] (quantized here per row, as
+// quantize_rows_int8; x_scale None) or int8 codes [M, K] with their x_scale [M]. The
+// accumulators are rescaled as rescale_int8_acc with w_scale [N] and bias [N] (optional).
+torch::Tensor int8_vnni_linear(torch::Tensor x, c10::optional<torch::Tensor> x_scale, torch::Tensor packed,
+                               torch::Tensor comp, torch::Tensor w_scale, c10::optional<torch::Tensor> bias,
+                               int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kInt8),
+              "int8_vnni_linear: x must be a 2-D float32 or int8 tensor");
+  const bool codes = x.scalar_type() == torch::kInt8;
+  const bool has_scale = x_scale.has_value() && x_scale->defined();
+  TORCH_CHECK(codes == has_scale, "int8_vnni_linear: x_scale goes with int8 x (and only with it)");
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t Kp = check_packed(packed, comp, K, N, "int8_vnni_linear");
+  TORCH_CHECK(w_scale.scalar_type() == torch::kFloat32 && w_scale.numel() == N, "int8_vnni_linear: w_scale size");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->scalar_type() == torch::kFloat32 && bias->numel() == N),
+              "int8_vnni_linear: bias must be float32 [N]");
+  x = x.contiguous();
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  if (M == 0) return y;
+  torch::Tensor q = x, s;
+  if (codes) {
+    s = x_scale->contiguous();
+    TORCH_CHECK(s.scalar_type() == torch::kFloat32 && s.numel() == M, "int8_vnni_linear: x_scale size");
+  } else {
+    q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+    s = torch::empty({M}, x.options());
+    const float* X = x.data_ptr<float>();
+    int8_t* Q = q.data_ptr<int8_t>();
+    float* S = s.data_ptr<float>();
+#pragma omp parallel for schedule(static) if (M * K > 65536)
+    for (int64_t m = 0; m < M; ++m) radixray_int8::quantize_row(X + m * K, Q + m * K, S + m, K);
+  }
+  const std::vector<uint8_t> xu = to_unsigned(q.data_ptr<int8_t>(), M, K, Kp);
+  torch::Tensor ws = w_scale.contiguous();
+  torch::Tensor b = has_bias ? bias->contiguous() : torch::Tensor();
+  const RescaledOut out{y.data_ptr<float>(), N, s.data_ptr<float>(), ws.data_ptr<float>(),
+                        has_bias ? b.data_ptr<float>() : nullptr};
+  vnni_gemm(xu.data(), M, Kp, packed.data_ptr<int8_t>(), comp.data_ptr<int32_t>(), out, N);
   return y;
 }
 
@@ -169,9 +254,12 @@ TORCH_LIBRARY_FRAGMENT(radixray, m) {
   m.def("int8_vnni_supported() -> bool", &int8_vnni_supported);  // no tensors: a catch-all kernel
   m.def("int8_vnni_pack(Tensor w) -> Tensor[]");
   m.def("int8_vnni_gemm(Tensor x, Tensor packed, Tensor comp, int N) -> Tensor");
+  m.def("int8_vnni_linear(Tensor x, Tensor? x_scale, Tensor packed, Tensor comp, Tensor w_scale, Tensor? bias, "
+        "int N) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixray, CPU, m) {
   m.impl("int8_vnni_pack", &int8_vnni_pack);
   m.impl("int8_vnni_gemm", &int8_vnni_gemm);
+  m.impl("int8_vnni_linear", &int8_vnni_linear);
 }
