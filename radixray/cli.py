@@ -15,7 +15,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="int8 weights and activations for the linear layers (CPU)")
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="with --quantization w8a8_int8: the lm_head too (faster decode, some quality cost)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8_e5m2"])
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
     p.add_argument("--mem-fraction-static", type=float, default=0.3)
     p.add_argument("--chunked-prefill-size", type=int, default=2048)

@@ -6,8 +6,9 @@ of the default model (SmolLM2-135M: 9 query heads, 3 kv heads, head size 64,
 MLP width 1,536):
 
 - decode attention, ``--batch`` requests x ``--context-len`` tokens over a paged
-  fp32 or bf16 pool, against the torch backend's gather + SDPA; the kernel's
-  rate is given as GB/s of pool bytes read;
+  fp32, bf16 or fp8 (e5m2) pool, against the torch backend's gather + SDPA; the
+  kernel's rate is given as GB/s of pool bytes read (one layer's pool, a few MB,
+  stays in L3 between calls; a real step's 30 layers come from memory, slower);
 - extend (prefill) attention, a ``--prefill-len`` prompt with no cached prefix and
   128 new tokens after a 2,048-token prefix, against SDPA with a causal mask;
 - the middle of an int8 gated MLP (rescale, SiLU-mul, quantize) fused against the
@@ -176,7 +177,7 @@ def run_cli(args: argparse.Namespace) -> int:
         print("the C++ CPU kernels are not available on this machine (see the log); nothing to compare")
         return 1
     rows = [_decode_row(ext, dtype, args.batch, args.context_len, args.calls, args.repeats)
-            for dtype in (torch.float32, torch.bfloat16)]
+            for dtype in (torch.float32, torch.bfloat16, torch.float8_e5m2)]
     rows += [_extend_row(ext, n, plen, max(1, args.calls // 4), args.repeats)
              for n, plen in ((args.prefill_len, 0), (128, 2048))]
     rows += [_mlp_row(ext, m, args.calls, args.repeats) for m in (2048, args.batch)]

@@ -8,7 +8,9 @@ Two measurements on the same weights:
   (``Int8ReferenceLinear``; tests check the engine matches it); with
   ``--quantize-lm-head`` the lm_head as well.
 - **Greedy agreement**: chat prompts answered by two radixray Engines, unquantized
-  and w8a8_int8; for each prompt, how many leading tokens are identical.
+  and w8a8_int8 (with ``--kv-cache-dtype``, that engine's KV pool narrowed too, which
+  the perplexity above does not see); for each prompt, how many leading tokens are
+  identical.
 
 Prints a table and, with ``--output-json``, writes the figures.
 """
@@ -53,13 +55,14 @@ def perplexities(model: str, text: str, max_tokens: int, lm_head: bool = False) 
     return {"tokens": int(ids.shape[1]), "perplexity": base, "perplexity_w8a8_int8": quant}
 
 
-def greedy_agreement(model: str, max_new_tokens: int, lm_head: bool = False) -> list[dict]:
+def greedy_agreement(model: str, max_new_tokens: int, lm_head: bool = False,
+                     kv_cache_dtype: str = "auto") -> list[dict]:
     from radixray import Engine
     params = {"temperature": 0.0, "max_new_tokens": max_new_tokens}
     outputs = {}
     for quant in (None, "w8a8_int8"):
         with Engine(model=model, quantization=quant, quantize_lm_head=lm_head and quant is not None,
-                    max_total_tokens=8192) as eng:
+                    kv_cache_dtype=kv_cache_dtype if quant else "auto", max_total_tokens=8192) as eng:
             ids = [eng.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
             outputs[quant] = eng.generate(input_ids=ids, sampling_params=params)
     rows = []
@@ -75,7 +78,7 @@ def run_cli(args) -> int:
     with open(args.text_file, encoding="utf-8") as f:
         text = f.read()
     ppl = perplexities(args.model, text, args.max_tokens, args.quantize_lm_head)
-    rows = greedy_agreement(args.model, args.max_new_tokens, args.quantize_lm_head)
+    rows = greedy_agreement(args.model, args.max_new_tokens, args.quantize_lm_head, args.kv_cache_dtype)
     change = 100 * (ppl["perplexity_w8a8_int8"] / ppl["perplexity"] - 1)
     print(f"perplexity over {ppl['tokens']} tokens of {args.text_file}: "
           f"{ppl['perplexity']:.3f} unquantized, {ppl['perplexity_w8a8_int8']:.3f} w8a8_int8 ({change:+.2f}%)")
@@ -89,7 +92,7 @@ def run_cli(args) -> int:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"model": args.model, "text_file": args.text_file, "quantize_lm_head": args.quantize_lm_head,
-                       **ppl, "greedy": rows}, f, indent=1)
+                       "kv_cache_dtype": args.kv_cache_dtype, **ppl, "greedy": rows}, f, indent=1)
     return 0
 
 
@@ -104,6 +107,8 @@ def add_parser(bench_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens per chat prompt")
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="quantize the lm_head too (the engine's quantize_lm_head option)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8_e5m2"],
+                   help="KV pool of the quantized engine in the greedy comparison")
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=run_cli)
     return p

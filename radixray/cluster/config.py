@@ -29,7 +29,7 @@ class EngineSection(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     quantization: Literal["w8a8_int8"] | None = None
     quantize_lm_head: bool = False  # w8a8_int8 only: the lm_head as an int8 GEMM too
-    kv_cache_dtype: Literal["auto", "bfloat16"] = "auto"
+    kv_cache_dtype: Literal["auto", "bfloat16", "fp8_e5m2"] = "auto"
     mem_fraction_static: float = Field(0.3, gt=0, lt=1)
     max_total_tokens: int | None = Field(None, ge=2)
     chunked_prefill_size: int | None = 2048

@@ -51,8 +51,9 @@ def add_parser(sub) -> None:
     p.add_argument("--quantize-lm-head", action="store_true", default=None,
                    help="with --quantization w8a8_int8: the lm_head too (faster decode at "
                    "batch, some quality cost: see radixray bench quant-quality)")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16"],
-                   help="KV pool element type (auto: the model's; bfloat16 halves its bytes)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "fp8_e5m2"],
+                   help="KV pool element type (auto: the model's; bfloat16 halves its bytes, fp8_e5m2 "
+                   "quarters them against fp32, at some quality cost)")
     p.add_argument("--mem-fraction-static", type=float)
     p.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens")
     p.add_argument("--chunked-prefill-size", type=int)

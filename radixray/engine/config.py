@@ -8,7 +8,7 @@ from radixray.engine.policy import SCHEDULE_POLICIES
 from radixray.kernels.int8_linear import QUANTIZATIONS
 
 DTYPES = ("auto", "float32", "bfloat16")
-KV_CACHE_DTYPES = ("auto", "bfloat16")  # auto: the model's dtype
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e5m2")  # auto: the model's dtype
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,7 @@ class EngineConfig:
     model: str = "default"  # "default" (SmolLM2-135M GGUF), a Hugging Face folder, or a .gguf file
     dtype: str = "auto"  # auto picks the faster of fp32 / bf16 measured on this machine
     device: str = "cpu"
-    kv_cache_dtype: str = "auto"  # "bfloat16" halves the KV pool's bytes (more tokens, faster decode reads)
+    kv_cache_dtype: str = "auto"  # "bfloat16" halves the KV pool's bytes, "fp8_e5m2" quarters them (vs fp32)
     quantization: str | None = None  # None (weights as loaded) or "w8a8_int8" (int8 GEMMs, CPU)
     quantize_lm_head: bool = False  # w8a8_int8 only: the lm_head too (faster decode, some quality cost)
     mem_fraction_static: float = 0.3  # share of available memory for weights + KV pool

@@ -77,6 +77,17 @@ class ReqToTokenPool:
         self._free_rows.append(row)
 
 
+FP8_E5M2_MAX = 57344.0  # the largest finite float8_e5m2
+
+
+def to_pool_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as the pool stores it: fp8 saturates at its largest finite value instead of
+    overflowing to inf (torch's cast does the latter)."""
+    if dtype == torch.float8_e5m2:
+        x = x.clamp(-FP8_E5M2_MAX, FP8_E5M2_MAX)
+    return x.to(dtype)
+
+
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """2 (key and value) x layers x kv heads x head dim x bytes per element."""
     return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
@@ -108,5 +119,8 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store keys/values ``[n, kv_heads, head_dim]`` of ``n`` tokens at ``slots``."""
-        self.k_buffers[layer].index_copy_(0, slots, k.to(self.dtype))
-        self.v_buffers[layer].index_copy_(0, slots, v.to(self.dtype))
+        for buf, x in ((self.k_buffers[layer], k), (self.v_buffers[layer], v)):
+            x = to_pool_dtype(x, self.dtype)
+            if x.element_size() == 1:  # torch has no index_copy_ for fp8 on the CPU: copy the bytes
+                buf, x = buf.view(torch.uint8), x.view(torch.uint8)
+            buf.index_copy_(0, slots, x)

@@ -21,6 +21,7 @@ from radixray.kernels.int8_linear import quantize_linears
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e5m2": torch.float8_e5m2}
 
 
 def available_memory_bytes(device: str) -> int:
@@ -87,7 +88,7 @@ class ModelRunner:
         load_s = time.perf_counter() - t0
 
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
+        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else _KV_DTYPES[config.kv_cache_dtype]
         self.bytes_per_token = kv_bytes_per_token(
             hf.num_hidden_layers, hf.num_key_value_heads, head_dim, self.kv_dtype)
         if config.max_total_tokens is not None:

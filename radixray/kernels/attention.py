@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from radixray.engine.forward_batch import ForwardBatch, ForwardMode
-from radixray.engine.memory import KVPool
+from radixray.engine.memory import KVPool, to_pool_dtype
 
 
 class AttentionBackend(abc.ABC):
@@ -93,8 +93,8 @@ class TorchAttention(AttentionBackend):
                                        batch.attn_metadata["prefix_indices"]):
             # New keys/values pass through the pool's dtype too, so a request computes
             # the same whether its prefix came from the cache or was just prefilled.
-            ki = k[start:start + n].to(kb.dtype)
-            vi = v[start:start + n].to(vb.dtype)
+            ki = to_pool_dtype(k[start:start + n], kb.dtype)
+            vi = to_pool_dtype(v[start:start + n], vb.dtype)
             if plen:
                 ki = torch.cat((kb[prefix_idx], ki))
                 vi = torch.cat((vb[prefix_idx], vi))
@@ -149,6 +149,8 @@ class CpuPagedAttention(TorchAttention):
             meta["kv_indices"], meta["seq_lens"], self.scaling)
 
 
+PAGED_POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e5m2)  # what the C++ decode kernel reads
+
 ATTENTION_BACKENDS: dict[str, Callable[..., AttentionBackend]] = {
     "torch": TorchAttention,
     "cpu_paged": CpuPagedAttention,
@@ -162,7 +164,7 @@ def create_attention_backend(name: str, req_to_token: torch.Tensor, kv_pool: KVP
     (fp32 queries over an fp32 or bf16 pool)."""
     if name == "auto":
         from radixray.kernels.cpu_ops import load_extension
-        paged = compute_dtype == torch.float32 and kv_pool.dtype in (torch.float32, torch.bfloat16)
+        paged = compute_dtype == torch.float32 and kv_pool.dtype in PAGED_POOL_DTYPES
         name = "cpu_paged" if paged and load_extension() else "torch"
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {sorted(ATTENTION_BACKENDS)}, got {name!r}")

@@ -47,7 +47,7 @@ def load_extension():
                                                                   "int8_vnni.cpp")]
             logger.info("Loading radixray CPU kernels (compiled once per machine, ~1 min)")
             load(name="radixray_cpu_ops", sources=sources,
-                 extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                 extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
                  extra_ldflags=["-fopenmp"], verbose=False)
             _ext = torch.ops.radixray
         except Exception as exc:  # no compiler / headers: stay correct, just slower

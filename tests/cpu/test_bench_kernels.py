@@ -17,7 +17,7 @@ def test_bench_kernels_reports_each_kernel(tmp_path, capsys):
     assert rc == 0
     rows = json.loads(out.read_text())["rows"]
     vnni = ["int8 GEMM VNNI"] * 4 if vnni_available(load_extension()) else []  # 1, 8, 3, 256 rows
-    assert [r["kernel"] for r in rows] == ["decode attention"] * 2 + ["extend attention"] * 2 + \
+    assert [r["kernel"] for r in rows] == ["decode attention"] * 3 + ["extend attention"] * 2 + \
         ["int8 MLP middle"] * 2 + ["int8 GEMM AVX2"] * 2 + vnni + ["lm_head int8"]
     assert all(r["cpp_ms"] > 0 and r["torch_ms"] > 0 and r["speedup"] > 0 for r in rows)
     assert "speedup" in capsys.readouterr().out

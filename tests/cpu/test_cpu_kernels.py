@@ -50,15 +50,16 @@ def test_silu_mul_over_the_whole_float_range():
     torch.testing.assert_close(got, cpu_ops.silu_mul_ref(g), rtol=2e-6, atol=1e-30)
 
 
-@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 16), (8, 2, 32), (4, 1, 128),
                                                 (6, 2, 70)])
 def test_paged_decode_attention(heads, kv_heads, dim, pool_dtype):
     torch.manual_seed(heads)
     pool = 800
-    kp = torch.randn(pool + 1, kv_heads, dim).to(pool_dtype)
-    vp = torch.randn(pool + 1, kv_heads, dim).to(pool_dtype)
+    kp = torch.randn(pool + 1, kv_heads, dim)
     kp[7] *= 30  # a few large scores: the softmax subtracts its max before the exponentials
+    kp = kp.to(pool_dtype)
+    vp = torch.randn(pool + 1, kv_heads, dim).to(pool_dtype)
     lens = torch.tensor([1, 17, 600, 5, 8, 64])
     idx = torch.zeros(6, 600, dtype=torch.int64)
     perm = torch.randperm(pool)[: int(lens.sum())] + 1  # scattered slots, never slot 0

@@ -1,6 +1,7 @@
-"""kv_cache_dtype="bfloat16": half the pool bytes, fp32 attention over bf16 keys/values.
+"""kv_cache_dtype="bfloat16" / "fp8_e5m2": a half / a quarter of the fp32 pool's bytes,
+fp32 attention over the narrow keys/values.
 
-The fused decode kernel and the pure-torch reference backend read the same bf16
+The fused decode kernel and the pure-torch reference backend read the same narrow
 pool, so their greedy tokens agree (a divergence is allowed only at a near-tie,
 judged by the reference's own top-2 logprob gap); a radix-cache hit computes the
 same tokens as a cold prefill, because new keys/values pass through the pool's
@@ -14,6 +15,7 @@ import torch
 from engine_helpers import rand_ids
 
 from radixray import Engine
+from radixray.engine.memory import FP8_E5M2_MAX, KVPool
 
 PARAMS = {"temperature": 0.0, "max_new_tokens": 20, "ignore_eos": True,
           "return_logprob": True, "top_logprobs_num": 2}
@@ -29,12 +31,14 @@ def _assert_same(ours, ref, label):
             return
 
 
-def test_bf16_pool_matches_the_reference_backend(tiny_llama_dir):
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e5m2"])
+def test_narrow_pool_matches_the_reference_backend(tiny_llama_dir, kv_dtype):
     prompts = [rand_ids(200, n, seed=n) for n in (4, 23, 57)]
-    opts = dict(model=tiny_llama_dir, max_total_tokens=4096, kv_cache_dtype="bfloat16",
+    opts = dict(model=tiny_llama_dir, max_total_tokens=4096, kv_cache_dtype=kv_dtype,
                 check_kv_conservation=True)
     with Engine(**opts, attention_backend="torch", cpu_kernels=False) as ref_eng:
-        assert ref_eng.runner.kv_pool.k_buffers[0].dtype == torch.bfloat16
+        assert ref_eng.runner.kv_pool.k_buffers[0].dtype == {"bfloat16": torch.bfloat16,
+                                                             "fp8_e5m2": torch.float8_e5m2}[kv_dtype]
         refs = ref_eng.generate(input_ids=prompts, sampling_params=PARAMS)
     with Engine(**opts) as eng:
         assert eng.runner.attn_backend.name == "cpu_paged"
@@ -47,10 +51,21 @@ def test_bf16_pool_matches_the_reference_backend(tiny_llama_dir):
         eng.check_kv_conservation()
 
 
-def test_bf16_pool_halves_bytes_per_token(tiny_llama_dir):
+def test_narrow_pools_halve_and_quarter_bytes_per_token(tiny_llama_dir):
     with Engine(model=tiny_llama_dir, max_total_tokens=1024) as fp32_eng:
         fp32_bytes = fp32_eng.runner.bytes_per_token
     with Engine(model=tiny_llama_dir, max_total_tokens=1024, kv_cache_dtype="bfloat16") as bf16_eng:
         assert bf16_eng.runner.bytes_per_token * 2 == fp32_bytes
+    with Engine(model=tiny_llama_dir, max_total_tokens=1024, kv_cache_dtype="fp8_e5m2") as fp8_eng:
+        assert fp8_eng.runner.bytes_per_token * 4 == fp32_bytes
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         Engine(model=tiny_llama_dir, kv_cache_dtype="fp8")
+
+
+def test_fp8_pool_writes_round_and_saturate():
+    pool = KVPool(8, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float8_e5m2)
+    k = torch.tensor([[[1.1, -3.0, 1e5, -1e9]], [[0.0, 2.5, 1e-8, 7.0]]])
+    pool.write(0, torch.tensor([3, 5]), k, -k)
+    got = pool.k_buffers[0][torch.tensor([3, 5])].float()
+    assert torch.equal(got, torch.tensor([[[1.0, -3.0, FP8_E5M2_MAX, -FP8_E5M2_MAX]], [[0.0, 2.5, 0.0, 7.0]]]))
+    assert torch.equal(pool.v_buffers[0][torch.tensor([3, 5])].float(), -got)

@@ -4,7 +4,7 @@
 // tests/cpu/test_cpu_kernels.py and tests/cpu/test_extend_attention.py.
 //
 // Decode:
-// q [B,H,D] fp32; pools [S,KVH,D] fp32 or bf16; kv_indices [B,Lmax] (the slot of each
+// q [B,H,D] fp32; pools [S,KVH,D] fp32, bf16 or fp8 e5m2; kv_indices [B,Lmax] (the slot of each
 // context token); seq_lens [B]. Query head h reads kv head h / (H / KVH).
 //
 // One work item per request (per (request, kv head) pair when there are fewer than two
@@ -357,9 +357,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
                                      torch::Tensor kv_indices, torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.device().is_cpu(), "q must be a float32 CPU tensor");
   const auto pool_type = k_pool.scalar_type();
-  TORCH_CHECK((pool_type == torch::kFloat32 || pool_type == torch::kBFloat16) &&
+  TORCH_CHECK((pool_type == torch::kFloat32 || pool_type == torch::kBFloat16 ||
+               pool_type == torch::kFloat8_e5m2) &&
               v_pool.scalar_type() == pool_type && k_pool.device().is_cpu() && v_pool.device().is_cpu(),
-              "paged_decode_attention: pools must be float32 or bfloat16 CPU tensors of one dtype");
+              "paged_decode_attention: pools must be float32, bfloat16 or float8_e5m2 CPU tensors of one dtype");
   TORCH_CHECK(kv_indices.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64,
               "indices must be int64");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "pools must be contiguous");
@@ -377,6 +378,11 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
   const float sc = static_cast<float>(scale);
   if (pool_type == torch::kFloat32) {
     paged_decode_attention_impl(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
+                                kv_indices.data_ptr<int64_t>(), lens, out.data_ptr<float>(), B, H, D, KVH,
+                                Lmax, sc);
+  } else if (pool_type == torch::kFloat8_e5m2) {
+    paged_decode_attention_impl(q.data_ptr<float>(), reinterpret_cast<const uint8_t*>(k_pool.data_ptr()),
+                                reinterpret_cast<const uint8_t*>(v_pool.data_ptr()),
                                 kv_indices.data_ptr<int64_t>(), lens, out.data_ptr<float>(), B, H, D, KVH,
                                 Lmax, sc);
   } else {

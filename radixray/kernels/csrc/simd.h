@@ -24,11 +24,16 @@ inline __m256 hsum8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, c, 0x20), _mm256_permute2f128_ps(a, c, 0x31));
 }
 
-// Pool elements: fp32, or bf16 stored as its 16 raw bits (widened by a 16-bit shift).
+// Pool elements: fp32, bf16 stored as its 16 raw bits (widened by a 16-bit shift), or fp8
+// e5m2 stored as its 8 raw bits (the high byte of an fp16: widened by F16C).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const uint8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), b));
 }
 inline float widen(float x) { return x; }
 inline float widen(uint16_t x) {
@@ -37,6 +42,7 @@ inline float widen(uint16_t x) {
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
+inline float widen(uint8_t x) { return _cvtsh_ss(static_cast<unsigned short>(x << 8)); }
 
 // a . b over n elements; b is fp32 or bf16 (a pool row).
 template <typename T>
