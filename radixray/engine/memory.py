@@ -78,6 +78,9 @@ class ReqToTokenPool:
 
 
 FP8_E5M2_MAX = 57344.0  # the largest finite float8_e5m2
+# Rows up to which KVPool.write uses the one-call C++ store (4-10 torch ops a layer otherwise);
+# above it torch's vectorized casts are faster than the kernel's per-element c10 casts.
+FUSED_WRITE_MAX_ROWS = 256
 
 
 def to_pool_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -97,8 +100,9 @@ class KVPool:
     """Per-layer key and value tensors of shape ``[size + 1, num_kv_heads, head_dim]``."""
 
     def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype, device: str | torch.device = "cpu", ext=None):
         self.size = size
+        self.ext = ext  # the CPU kernels (kv_store), or None for torch ops
         self.dtype = dtype
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -118,7 +122,13 @@ class KVPool:
         return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store keys/values ``[n, kv_heads, head_dim]`` of ``n`` tokens at ``slots``."""
+        """Store keys/values ``[n, kv_heads, head_dim]`` of ``n`` tokens at ``slots``.
+
+        Up to ``FUSED_WRITE_MAX_ROWS`` fp32 rows (decode) one C++ call casts and scatters
+        K and V; longer writes go through torch's vectorized cast. Same values either way."""
+        if self.ext is not None and k.shape[0] <= FUSED_WRITE_MAX_ROWS and k.dtype == torch.float32:
+            self.ext.kv_store(self.k_buffers[layer], self.v_buffers[layer], slots, k, v)
+            return
         for buf, x in ((self.k_buffers[layer], k), (self.v_buffers[layer], v)):
             x = to_pool_dtype(x, self.dtype)
             if x.element_size() == 1:  # torch has no index_copy_ for fp8 on the CPU: copy the bytes

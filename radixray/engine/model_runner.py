@@ -106,7 +106,7 @@ class ModelRunner:
                                         self.max_total_tokens)
 
         self.kv_pool = KVPool(self.max_total_tokens, hf.num_hidden_layers, hf.num_key_value_heads,
-                              head_dim, self.kv_dtype, self.device)
+                              head_dim, self.kv_dtype, self.device, ext=self.kernels.ext)
         self.req_pool = ReqToTokenPool(self.max_running_requests, self.context_len)
         self.allocator = TokenSlotAllocator(self.max_total_tokens)
         scaling = getattr(hf, "query_pre_attn_scalar", None)

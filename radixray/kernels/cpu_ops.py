@@ -44,7 +44,7 @@ def load_extension():
             from torch.utils.cpp_extension import load
             csrc = os.path.join(os.path.dirname(__file__), "csrc")
             sources = [os.path.join(csrc, name) for name in ("cpu_ops.cpp", "attention.cpp", "int8_ops.cpp",
-                                                                  "int8_vnni.cpp")]
+                                                                  "int8_vnni.cpp", "kv_store.cpp")]
             logger.info("Loading radixray CPU kernels (compiled once per machine, ~1 min)")
             load(name="radixray_cpu_ops", sources=sources,
                  extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],

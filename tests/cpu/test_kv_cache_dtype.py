@@ -16,6 +16,7 @@ from engine_helpers import rand_ids
 
 from radixray import Engine
 from radixray.engine.memory import FP8_E5M2_MAX, KVPool
+from radixray.kernels.cpu_ops import load_extension
 
 PARAMS = {"temperature": 0.0, "max_new_tokens": 20, "ignore_eos": True,
           "return_logprob": True, "top_logprobs_num": 2}
@@ -69,3 +70,22 @@ def test_fp8_pool_writes_round_and_saturate():
     got = pool.k_buffers[0][torch.tensor([3, 5])].float()
     assert torch.equal(got, torch.tensor([[[1.0, -3.0, FP8_E5M2_MAX, -FP8_E5M2_MAX]], [[0.0, 2.5, 0.0, 7.0]]]))
     assert torch.equal(pool.v_buffers[0][torch.tensor([3, 5])].float(), -got)
+
+
+@pytest.mark.skipif(load_extension() is None, reason="C++ CPU kernels not built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2])
+def test_one_call_kv_write_equals_the_torch_path(dtype):
+    """KVPool.write through the C++ store gives the bytes of the cast + index_copy_ path."""
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(40, 3, 16, generator=g) * torch.logspace(-9, 6, 16)  # tiny to overflowing
+    v = torch.randn(40, 3, 16, generator=g)
+    k[0, 0, :3] = torch.tensor([float("inf"), -float("inf"), 0.5 + 2 ** -9])  # saturation, a tie
+    slots = torch.randperm(60, generator=g)[:40] + 1
+    fused = KVPool(64, num_layers=1, num_kv_heads=3, head_dim=16, dtype=dtype, ext=load_extension())
+    plain = KVPool(64, num_layers=1, num_kv_heads=3, head_dim=16, dtype=dtype)
+    fused.write(0, slots, k, v)
+    plain.write(0, slots, k, v)
+    for a, b in ((fused.k_buffers[0], plain.k_buffers[0]), (fused.v_buffers[0], plain.v_buffers[0])):
+        assert torch.equal(a[slots].view(torch.uint8), b[slots].view(torch.uint8))
+    with pytest.raises(RuntimeError, match=r"slots\[1\]=65 outside \[0, 65\)"):
+        load_extension().kv_store(fused.k_buffers[0], fused.v_buffers[0], torch.tensor([1, 65]), k[:2], v[:2])
