@@ -102,7 +102,7 @@ class Controller:
                 self.placement_group, placement_group_bundle_index=rec.index)
         rec.handle = worker_actor_class().options(**options).remote(
             self.cfg.engine.engine_options(), rec.worker_id, s.warmup, s.log_level,
-            cores_shared_by=self._workers_per_node())
+            cores_shared_by=self._workers_per_node(), niceness=s.worker_niceness)
         rec.set_state("starting")
         rec.started_at = time.time()
         rec.ready_at = None

@@ -21,6 +21,7 @@ import os
 import time
 from concurrent.futures import Future
 
+from radixray.actors.niceness import set_niceness
 from radixray.cluster.errors import WorkerDraining
 from radixray.cluster.metrics import WorkerMetrics, scheduler_snapshot
 from radixray.engine.engine import Engine, StepChannel
@@ -37,11 +38,15 @@ class EngineWorker:
     (see :func:`worker_actor_class`) or call it directly in tests."""
 
     def __init__(self, engine_options: dict, worker_id: str = "worker-0", warmup: bool = True,
-                 log_level: str = "INFO", cores_shared_by: int = 1):
+                 log_level: str = "INFO", cores_shared_by: int = 1, niceness: int | None = 0):
         """``cores_shared_by``: how many workers share this node's cores; without an explicit
-        ``num_threads`` each gets an equal share (at least one thread)."""
+        ``num_threads`` each gets an equal share (at least one thread). ``niceness``: what
+        this process's threads are set to before the engine starts (see actors/niceness.py;
+        None keeps Ray's)."""
         logging.basicConfig(level=log_level.upper(), format="[%(asctime)s] %(message)s",
                             datefmt="%Y-%m-%d %H:%M:%S")
+        if niceness is not None:
+            self._set_niceness(niceness)
         options = dict(engine_options)
         if not options.get("num_threads"):
             # Ray pins OMP_NUM_THREADS to the actor's CPU count; the forward pass wants the
@@ -49,6 +54,8 @@ class EngineWorker:
             options["num_threads"] = max(1, len(os.sched_getaffinity(0)) // max(1, cores_shared_by))
         self.worker_id = worker_id
         self.engine = Engine(**options)
+        if niceness is not None:
+            self._set_niceness(niceness)  # threads the engine started meanwhile
         self.metrics = WorkerMetrics(worker_id)
         self.draining = False
         self._channels: dict[str, tuple[StepChannel, set[str]]] = {}
@@ -60,6 +67,14 @@ class EngineWorker:
         gc.collect()
         gc.freeze()  # long-lived objects leave the collector's generations: no pauses scanning them
         logger.info("worker %s ready", worker_id)
+
+    @staticmethod
+    def _set_niceness(target: int) -> None:
+        changed, error = set_niceness(target)
+        if error:
+            logger.warning("EngineWorker: %s", error)
+        elif changed:
+            logger.info("EngineWorker: %d threads set to niceness %d", changed, target)
 
     # ---- serving -----------------------------------------------------------------
     async def stream(self, channel_id: str):

@@ -79,6 +79,8 @@ class ServerSection(BaseModel):
     health_check_timeout_s: float = Field(20.0, gt=0)
     warmup: bool = True
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # niceness the EngineWorker gives its threads (Ray starts workers at 15); None keeps Ray's
+    worker_niceness: int | None = Field(0, ge=-20, le=19)
 
 
 class FleetSection(BaseModel):
