@@ -161,7 +161,7 @@ ATTENTION_BACKENDS: dict[str, Callable[..., AttentionBackend]] = {
 def create_attention_backend(name: str, req_to_token: torch.Tensor, kv_pool: KVPool,
                              scaling: float, compute_dtype: torch.dtype = torch.float32) -> AttentionBackend:
     """Build the backend registered under ``name``; ``auto`` picks cpu_paged when its kernels load
-    (fp32 queries over an fp32 or bf16 pool)."""
+    (fp32 queries over a pool of one of ``PAGED_POOL_DTYPES``)."""
     if name == "auto":
         from radixray.kernels.cpu_ops import load_extension
         paged = compute_dtype == torch.float32 and kv_pool.dtype in PAGED_POOL_DTYPES

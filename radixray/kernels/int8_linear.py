@@ -114,24 +114,32 @@ class Int8Linear(nn.Module):
     def w_q(self) -> torch.Tensor:
         return self.w_q_t.t()
 
+    def _vnni_for(self, rows: int) -> bool:
+        return self.vnni and rows <= VNNI_M_MAX
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ext = self.ext
-        if self.vnni and x.dtype == torch.float32 and x.shape[0] <= VNNI_M_MAX:
-            # quantize, GEMM and rescale in one call: the same bits as the three steps below
-            return ext.int8_vnni_linear(x, None, self.w_vnni, self.w_vnni_comp, self.w_scale, self.bias,
-                                        self.out_features)
         if ext is not None and x.dtype == torch.float32:
-            x_q, x_scale = ext.quantize_rows_int8(x)
-            return ext.rescale_int8_acc(self.accumulate(x_q), x_scale, self.w_scale, self.bias)
+            if self._vnni_for(x.shape[0]):  # quantize, GEMM and rescale in one call, same bits
+                return ext.int8_vnni_linear(x, None, self.w_vnni, self.w_vnni_comp, self.w_scale, self.bias,
+                                            self.out_features)
+            return self.from_codes(*ext.quantize_rows_int8(x))
         x_q, x_scale = quantize_per_token(x)
         return rescale_ref(self.accumulate(x_q), x_scale, self.w_scale, self.bias).to(x.dtype)
+
+    def from_codes(self, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        """fp32 output from activations already quantized (codes [M, K], scales [M]); C++ kernels only."""
+        if self._vnni_for(x_q.shape[0]):  # GEMM and rescale in one call
+            return self.ext.int8_vnni_linear(x_q, x_scale, self.w_vnni, self.w_vnni_comp, self.w_scale,
+                                             self.bias, self.out_features)
+        return self.ext.rescale_int8_acc(self.accumulate(x_q), x_scale, self.w_scale, self.bias)
 
     def accumulate(self, x_q: torch.Tensor) -> torch.Tensor:
         """The int32 GEMM alone: ``x_q`` [M, K] int8 codes -> [M, N] int32 accumulator,
         by the kernel the module docstring names for this CPU and M; the integers are
         the same whichever runs."""
         rows = x_q.shape[0]
-        if self.vnni and rows <= VNNI_M_MAX:
+        if self._vnni_for(rows):
             return self.ext.int8_vnni_gemm(x_q, self.w_vnni, self.w_vnni_comp, self.out_features)
         if self.ext is not None and rows <= SMALL_M_MAX:
             return self.ext.int8_gemm_small_m(x_q, self.w_q)
@@ -162,10 +170,7 @@ def int8_gated_mlp(x: torch.Tensor, gate_up: Int8Linear, down: Int8Linear) -> to
     x_q, x_scale = ext.quantize_rows_int8(x)
     h_q, h_scale = ext.rescale_silu_mul_quantize(gate_up.accumulate(x_q), x_scale, gate_up.w_scale,
                                                  gate_up.bias)
-    if down.vnni and h_q.shape[0] <= VNNI_M_MAX:  # down's GEMM and rescale in one call
-        return ext.int8_vnni_linear(h_q, h_scale, down.w_vnni, down.w_vnni_comp, down.w_scale, down.bias,
-                                    down.out_features)
-    return ext.rescale_int8_acc(down.accumulate(h_q), h_scale, down.w_scale, down.bias)
+    return down.from_codes(h_q, h_scale)
 
 
 class Int8ReferenceLinear(nn.Module):

@@ -6,7 +6,6 @@
 #include <torch/extension.h>
 #include <omp.h>
 #include <algorithm>
-#include <cstring>
 
 namespace {
 
@@ -20,11 +19,6 @@ inline T to_pool(float x) {
 template <>
 inline c10::Float8_e5m2 to_pool<c10::Float8_e5m2>(float x) {
   return c10::Float8_e5m2(std::min(std::max(x, -kFp8E5m2Max), kFp8E5m2Max));
-}
-
-template <>
-inline float to_pool<float>(float x) {
-  return x;
 }
 
 // rows [n, row] of src -> buf rows slots[i]
