@@ -88,12 +88,20 @@ def main(argv: list[str] | None = None) -> int:
     off.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
     off.add_argument("--output", default=None, help="write results as JSON here")
     off.set_defaults(func=cmd_bench_offline)
-    from radixray.bench import cache_experiment, kernels, naive_server, quant_quality, serve_client
+    from radixray.bench import (
+        cache_experiment,
+        kernels,
+        naive_server,
+        quant_quality,
+        serve_client,
+        vs_hf,
+    )
     serve_client.add_parser(bench_sub)
     kernels.add_parser(bench_sub)
     cache_experiment.add_parser(bench_sub)
     naive_server.add_parser(bench_sub)
     quant_quality.add_parser(bench_sub)
+    vs_hf.add_parser(bench_sub)
 
     args = parser.parse_args(argv)
     _setup_logging(getattr(args, "log_level", None) or "info")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 from functools import lru_cache
 
 import torch
@@ -72,8 +73,9 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
 
     Also returns, per step, the gap between the top-2 logits (to recognise near-ties).
     """
+    device = model.device
     with torch.inference_mode():
-        ids = torch.tensor([prompt_ids])
+        ids = torch.tensor([prompt_ids], device=device)
         out = model(input_ids=ids, use_cache=True)
         past, logits = out.past_key_values, out.logits[0, -1].float()
         tokens, gaps = [], []
@@ -82,7 +84,8 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
             gaps.append(float(top2[0] - top2[1]))
             nxt = int(logits.argmax())
             tokens.append(nxt)
-            out = model(input_ids=torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
+            out = model(input_ids=torch.tensor([[nxt]], device=device), past_key_values=past,
+                        use_cache=True)
             past, logits = out.past_key_values, out.logits[0, -1].float()
     return tokens, gaps
 
@@ -101,3 +104,44 @@ def assert_greedy_equal(ours: list[int], ref: list[int], gaps: list[float], labe
             raise AssertionError(f"{label}: token {i} differs: ours {a} vs HF {b} "
                                  f"(top-2 gap {gaps[i]:.3e})\nours={ours}\nhf  ={ref}")
     assert len(ours) == len(ref), f"{label}: {len(ours)} tokens vs HF {len(ref)}"
+
+
+NEW_TOKENS = 32
+
+
+def random_prompts(vocab: int, seed: int = 1) -> list[list[int]]:
+    """Eight prompts of 3-70 tokens (several cross a 16-token chunk); two share a 20-token prefix."""
+    rng = random.Random(seed)
+    lengths = [3, 7, 12, 17, 25, 33, 48, 70]
+    prompts = [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
+    prompts[5][:20] = prompts[6][:20]
+    return prompts
+
+
+def run_all_modes(model_dir: str, prompts: list[list[int]], hf_model, label: str,
+                  **engine_options) -> None:
+    """fp32 greedy tokens equal ``hf_model``'s for each prompt alone, batched, from the radix
+    cache and with 16-token chunked prefill; KV conservation holds after each engine."""
+    from radixray import Engine
+
+    refs = [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
+    greedy = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+
+    def check(outs, mode):
+        for i, (out, (ref, gaps)) in enumerate(zip(outs, refs)):
+            assert_greedy_equal(out["output_ids"], ref, gaps, f"{label} {mode} prompt {i}")
+
+    with Engine(model=model_dir, dtype="float32", max_total_tokens=8192,
+                check_kv_conservation=True, **engine_options) as eng:
+        check([eng.generate(input_ids=p, sampling_params=greedy) for p in prompts], "alone")
+        eng.flush_cache()
+        check(eng.generate(input_ids=prompts, sampling_params=greedy), "batch")
+        cached = eng.generate(input_ids=prompts, sampling_params=greedy)
+        check(cached, "radix-cache hit")
+        for p, out in zip(prompts, cached):
+            assert out["meta_info"]["cached_tokens"] == len(p) - 1
+        eng.check_kv_conservation()
+    with Engine(model=model_dir, dtype="float32", max_total_tokens=8192, chunked_prefill_size=16,
+                check_kv_conservation=True, **engine_options) as eng:
+        check(eng.generate(input_ids=prompts, sampling_params=greedy), "chunked-16")
+        eng.check_kv_conservation()

@@ -36,6 +36,7 @@ def add_parser(bench_subparsers) -> None:
     p.add_argument("--port", type=int, default=8001)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=serve)
 
@@ -43,7 +44,7 @@ def add_parser(bench_subparsers) -> None:
 def serve(args) -> int:
     """Load the model and run the app with uvicorn until SIGINT/SIGTERM; returns the exit code."""
     import uvicorn
-    server = NaiveServer.load(args.model, dtype=args.dtype, threads=args.threads)
+    server = NaiveServer.load(args.model, dtype=args.dtype, threads=args.threads, device=args.device)
     uvicorn.run(create_app(server), host=args.host, port=args.port, log_level=args.log_level.lower())
     return 0
 
@@ -191,7 +192,7 @@ class NaiveServer:
 
     @classmethod
     def load(cls, model: str = "default", dtype: str = "float32", threads: int | None = None,
-             model_id: str | None = None) -> "NaiveServer":
+             model_id: str | None = None, device: str = "cpu") -> "NaiveServer":
         """Resolve ``model`` like radixray does (a GGUF is converted once) and load it in eval mode."""
         import torch
         from transformers import AutoModelForCausalLM
@@ -200,9 +201,10 @@ class NaiveServer:
         if threads:
             torch.set_num_threads(threads)
         src = resolve_model(model)
-        hf = AutoModelForCausalLM.from_pretrained(src.path, dtype=getattr(torch, dtype)).eval()
-        logger.info("naive server: %s loaded from %s (%s, %d threads)", model, src.path, dtype,
-                    torch.get_num_threads())
+        hf = AutoModelForCausalLM.from_pretrained(src.path, dtype=getattr(torch, dtype))
+        hf = hf.to(device).eval()
+        logger.info("naive server: %s loaded from %s (%s on %s, %d threads)", model, src.path,
+                    dtype, device, torch.get_num_threads())
         return cls(hf, src.tokenizer, model_id or model)
 
     def generate(self, job: Job) -> Completion:
@@ -214,7 +216,7 @@ class NaiveServer:
         import torch
         from transformers import StoppingCriteriaList
 
-        ids = torch.tensor([job.prompt_ids])
+        ids = torch.tensor([job.prompt_ids], device=self.model.device)
         check = _StopCheck(job, self.tokenizer)
         kwargs = dict(max_new_tokens=job.max_tokens, do_sample=not job.greedy,
                       attention_mask=torch.ones_like(ids), streamer=job.streamer,

@@ -9,7 +9,6 @@ their first tokens. Bandwidth and GEMM rate are measured in the same run.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import statistics
@@ -18,6 +17,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from radixray.bench import save_json
 from radixray.bench.roofline import ModelCost, measure_gemm_flops, measure_read_bandwidth
 
 logger = logging.getLogger(__name__)
@@ -123,9 +123,7 @@ def run_offline_bench(args) -> dict:
     finally:
         engine.shutdown()
     print_report(results)
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(results, f, indent=2)
+    save_json(results, args.output)
     return results
 
 

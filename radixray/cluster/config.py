@@ -27,6 +27,7 @@ class EngineSection(BaseModel):
 
     model: str = "default"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")  # cuda needs server.worker_num_gpus
     quantization: Literal["w8a8_int8"] | None = None
     quantize_lm_head: bool = False  # w8a8_int8 only: the lm_head as an int8 GEMM too
     kv_cache_dtype: Literal["auto", "bfloat16", "fp8_e5m2"] = "auto"
@@ -134,6 +135,13 @@ class ServeConfig(BaseModel):
     router: RouterSection = Field(default_factory=RouterSection)
     app_name: str = "radixray"
     namespace: str = "radixray"
+
+    @model_validator(mode="after")
+    def _gpu_for_cuda(self) -> ServeConfig:
+        if self.engine.device != "cpu" and self.server.worker_num_gpus <= 0:
+            raise ValueError(f"engine.device={self.engine.device!r} needs server.worker_num_gpus > 0 "
+                             "(Ray hides GPUs from actors that reserve none)")
+        return self
 
     @model_validator(mode="after")
     def _fill_names(self) -> ServeConfig:

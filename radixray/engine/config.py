@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 
 from radixray.engine.policy import SCHEDULE_POLICIES
@@ -48,6 +49,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.quantization == "w8a8_int8" and self.device != "cpu":
             raise ValueError("quantization='w8a8_int8' runs on the CPU only (device='cpu')")
         if self.quantize_lm_head and self.quantization != "w8a8_int8":

@@ -34,6 +34,14 @@ class ForwardBatch:
     # Filled by the attention backend's init_forward_metadata, once per step.
     attn_metadata: dict = field(default_factory=dict)
 
+    def to_device(self, device: str) -> None:
+        """Move the token-wise tensors (ids, positions, cache slots) to ``device``.
+
+        ``req_rows`` stays on the CPU: it indexes the request table, which lives there."""
+        self.input_ids = self.input_ids.to(device, non_blocking=True)
+        self.positions = self.positions.to(device, non_blocking=True)
+        self.out_cache_loc = self.out_cache_loc.to(device, non_blocking=True)
+
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens)
@@ -43,8 +51,10 @@ class ForwardBatch:
         return int(self.input_ids.numel())
 
     def last_token_rows(self) -> torch.Tensor:
-        """Row index of each request's last new token (where its next-token logits come from)."""
+        """Row index of each request's last new token (where its next-token logits come from),
+        on the device of ``input_ids``."""
+        device = self.input_ids.device
         if self.mode is ForwardMode.DECODE:
-            return torch.arange(self.batch_size)
+            return torch.arange(self.batch_size, device=device)
         ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0)
-        return ends - 1
+        return (ends - 1).to(device)

@@ -104,6 +104,7 @@ class KVPool:
         self.size = size
         self.ext = ext  # the CPU kernels (kv_store), or None for torch ops
         self.dtype = dtype
+        self.device = torch.device(device)
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

@@ -61,6 +61,9 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource):
         self.config = config
         self.device = config.device
+        if self.device != "cpu" and not torch.cuda.is_available():
+            raise RuntimeError(f"device={self.device!r} but torch sees no CUDA device "
+                               f"(torch {torch.__version__}); use device='cpu'")
         self.dtype, dtype_reason = pick_dtype(config.dtype, config.device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -168,6 +171,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """fp32 logits ``[B, vocab]`` for each request's last new token."""
+        """fp32 logits ``[B, vocab]`` (on the model's device) for each request's last new token."""
+        if self.device != "cpu":
+            batch.to_device(self.device)
         self.attn_backend.init_forward_metadata(batch)
         return self.model(batch)

@@ -99,7 +99,7 @@ class Scheduler:
         if isinstance(item, list):
             for req in item:
                 if req.sampling.seed is not None:
-                    req.generator = torch.Generator().manual_seed(req.sampling.seed)
+                    req.generator = torch.Generator(self.runner.device).manual_seed(req.sampling.seed)
             self.waiting.extend(item)
         elif isinstance(item, AbortCommand):
             self.abort(item.rid, "aborted by request")

@@ -52,17 +52,20 @@ class TorchAttention(AttentionBackend):
     name = "torch"
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        # The request table lives on the CPU; indices and masks go to the pool's device.
+        device = self.kv_pool.device
         if batch.mode is ForwardMode.DECODE:
             max_len = max(batch.seq_lens)
             idx = self.req_to_token[batch.req_rows, :max_len]
             lens = torch.tensor(batch.seq_lens, dtype=torch.int64)
             valid = torch.arange(max_len)[None, :] < lens[:, None]
             # Padding points at reserved slot 0 and is masked out.
-            batch.attn_metadata["kv_indices"] = idx.masked_fill(~valid, 0)
-            batch.attn_metadata["kv_mask"] = None if bool(valid.all()) else valid[:, None, None, :]
+            batch.attn_metadata["kv_indices"] = idx.masked_fill(~valid, 0).to(device)
+            batch.attn_metadata["kv_mask"] = (None if bool(valid.all())
+                                              else valid[:, None, None, :].to(device))
         else:
             batch.attn_metadata["prefix_indices"] = [
-                self.req_to_token[row, :plen] if plen else None
+                self.req_to_token[row, :plen].to(device) if plen else None
                 for row, plen in zip(batch.req_rows.tolist(), batch.prefix_lens)
             ]
 
@@ -107,7 +110,7 @@ class TorchAttention(AttentionBackend):
         """One request: q [n, h, d] over k/v [plen + n, kvh, d]; token i sees keys 0..plen+i."""
         n = q.shape[0]
         if plen:
-            mask = torch.ones(n, plen + n, dtype=torch.bool).tril(diagonal=plen)
+            mask = torch.ones(n, plen + n, dtype=torch.bool, device=q.device).tril(diagonal=plen)
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
                 scale=self.scaling, enable_gqa=True)
@@ -126,6 +129,9 @@ class CpuPagedAttention(TorchAttention):
 
     def __init__(self, req_to_token, kv_pool, scaling):
         super().__init__(req_to_token, kv_pool, scaling)
+        if kv_pool.device.type != "cpu":
+            raise ValueError(f"attention_backend='cpu_paged' needs device='cpu', got the KV pool on "
+                             f"{kv_pool.device}; use attention_backend='torch' or 'auto'")
         from radixray.kernels.cpu_ops import load_extension
         self.ext = load_extension()
         if self.ext is None:
@@ -161,10 +167,11 @@ ATTENTION_BACKENDS: dict[str, Callable[..., AttentionBackend]] = {
 def create_attention_backend(name: str, req_to_token: torch.Tensor, kv_pool: KVPool,
                              scaling: float, compute_dtype: torch.dtype = torch.float32) -> AttentionBackend:
     """Build the backend registered under ``name``; ``auto`` picks cpu_paged when its kernels load
-    (fp32 queries over a pool of one of ``PAGED_POOL_DTYPES``)."""
+    (fp32 queries over a CPU pool of one of ``PAGED_POOL_DTYPES``), else torch."""
     if name == "auto":
         from radixray.kernels.cpu_ops import load_extension
-        paged = compute_dtype == torch.float32 and kv_pool.dtype in PAGED_POOL_DTYPES
+        paged = (kv_pool.device.type == "cpu" and compute_dtype == torch.float32
+                 and kv_pool.dtype in PAGED_POOL_DTYPES)
         name = "cpu_paged" if paged and load_extension() else "torch"
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {sorted(ATTENTION_BACKENDS)}, got {name!r}")

@@ -30,10 +30,20 @@ def test_overrides_and_served_name():
     ({"server": {"prot": 1}}, "server.prot"),
     ({"engine": {"schedule_policy": "random"}}, "engine.schedule_policy"),
     ({"engine": {"quantization": "int4"}}, "engine.quantization"),
+    ({"engine": {"device": "tpu"}}, "engine.device"),
+    ({"engine": {"device": "cuda"}}, "server.worker_num_gpus"),
 ])
 def test_errors_name_the_field(data, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         ServeConfig.parse(data)
+
+
+def test_cuda_engine_with_a_gpu_per_worker():
+    cfg = ServeConfig.parse({"engine": {"device": "cuda:0"}, "server": {"worker_num_gpus": 1}})
+    assert cfg.engine.engine_options()["device"] == "cuda:0"
+    assert cfg.fleet_key() != ServeConfig.parse({}).fleet_key()
+    gpu = ServeConfig.load("configs/serve/gpu.yaml")
+    assert gpu.engine.engine_options()["device"] == "cuda" and gpu.server.worker_num_gpus == 1
 
 
 def test_cli_flags_override_yaml(tmp_path):
