@@ -85,7 +85,9 @@ FUSED_WRITE_MAX_ROWS = 256
 
 def to_pool_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` as the pool stores it: fp8 saturates at its largest finite value instead of
-    overflowing to inf (torch's cast does the latter)."""
+    overflowing to inf (torch's cast does the latter). ``x`` itself when already ``dtype``."""
+    if x.dtype == dtype:
+        return x
     if dtype == torch.float8_e5m2:
         x = x.clamp(-FP8_E5M2_MAX, FP8_E5M2_MAX)
     return x.to(dtype)

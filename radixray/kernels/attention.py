@@ -71,10 +71,15 @@ class TorchAttention(AttentionBackend):
 
     def forward(self, q, k, v, layer, batch):
         pool = self.kv_pool
-        pool.write(layer, batch.out_cache_loc, k, v)
         if batch.mode is ForwardMode.DECODE:
+            pool.write(layer, batch.out_cache_loc, k, v)
             return self._decode(q, layer, batch)
-        return self._extend(q, k, v, layer, batch)
+        # New keys/values are rounded to the pool's dtype once for the whole batch: the pool
+        # stores those values and attention reads them widened back, so a request computes the
+        # same whether its prefix came from the cache or was just prefilled.
+        k, v = to_pool_dtype(k, pool.dtype), to_pool_dtype(v, pool.dtype)
+        pool.write(layer, batch.out_cache_loc, k, v)
+        return self._extend(q, k.to(q.dtype), v.to(q.dtype), layer, batch)
 
     def _decode(self, q, layer, batch):
         meta = batch.attn_metadata
@@ -94,15 +99,11 @@ class TorchAttention(AttentionBackend):
         kb, vb = self.kv_pool.k_buffers[layer], self.kv_pool.v_buffers[layer]
         for n, plen, prefix_idx in zip(batch.extend_lens, batch.prefix_lens,
                                        batch.attn_metadata["prefix_indices"]):
-            # New keys/values pass through the pool's dtype too, so a request computes
-            # the same whether its prefix came from the cache or was just prefilled.
-            ki = to_pool_dtype(k[start:start + n], kb.dtype)
-            vi = to_pool_dtype(v[start:start + n], vb.dtype)
+            ki, vi = k[start:start + n], v[start:start + n]  # already through the pool's dtype
             if plen:
-                ki = torch.cat((kb[prefix_idx], ki))
-                vi = torch.cat((vb[prefix_idx], vi))
-            qi = q[start:start + n]
-            outs.append(self._attend(qi, ki.to(qi.dtype), vi.to(qi.dtype), plen))
+                ki = torch.cat((kb[prefix_idx].to(q.dtype), ki))
+                vi = torch.cat((vb[prefix_idx].to(q.dtype), vi))
+            outs.append(self._attend(q[start:start + n], ki, vi, plen))
             start += n
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
