@@ -17,7 +17,7 @@ Which GEMM runs (the integers are the same from all three):
 
 - CPUs with AVX-512 VNNI: up to ``VNNI_M_MAX`` rows a C++ kernel on a copy of the
   weight packed at load time in the instruction's order (csrc/int8_vnni.cpp);
-  more rows (long prefills) ``torch._int_mm``, where oneDNN is as fast. Both
+  more rows (prefills) ``torch._int_mm``, where oneDNN is faster. Both
   layouts are kept: twice the int8 weight bytes, still half of bf16's.
 - other AVX2 CPUs: up to ``SMALL_M_MAX`` rows the AVX2 kernel
   (``int8_gemm_small_m``), more rows ``torch._int_mm``.
@@ -37,9 +37,11 @@ _QMAX = 127.0
 # memory: 120 model-sized GEMMs took 3.9 / 4.3 / 5.3 / 9.6 ms against 6.3 / 8.2 / 8.8 /
 # 9.7 ms at 1 / 2 / 4 / 8 rows on this project's machine (docs/benchmarks.md).
 SMALL_M_MAX = 4
-# Rows up to which the VNNI kernel on packed weights beats torch._int_mm: 1.5-1.8x at 1-32
-# rows (weights from memory), 1.1-1.3x at 256, on par at 1,024-2,048 (docs/benchmarks.md).
-VNNI_M_MAX = 512
+# Rows up to which the VNNI kernel on packed weights beats torch._int_mm (120 model-sized
+# GEMMs, weights from memory, alternating): 1.27x at 32 rows, 1.00x at 64, 0.86x at 128 and
+# 256, 0.79x at 512 (docs/benchmarks.md). An earlier quiet run put 256 rows at 1.1-1.3x;
+# four later runs did not.
+VNNI_M_MAX = 64
 
 
 def vnni_available(ext) -> bool:
