@@ -133,7 +133,7 @@ def _int8_gemm_row(label: str, gemm: Callable, m: int, weights: list[torch.Tenso
             "cpp_ms": fast, "torch_ms": slow, "rate": f"{total / fast / 1e6:.1f} GB/s"}
 
 
-def _int8_gemm_rows(ext, batch: int, layers: int, calls: int, repeats: int) -> list[dict]:
+def _int8_gemm_rows(ext, vnni_rows: list[int], layers: int, calls: int, repeats: int) -> list[dict]:
     from radixray.kernels.int8_linear import vnni_available
     shapes = [(HEADS * HEAD_DIM + 2 * KV_HEADS * HEAD_DIM, HIDDEN), (HIDDEN, HEADS * HEAD_DIM),
               (2 * INTER, HIDDEN), (HIDDEN, INTER)]
@@ -148,7 +148,7 @@ def _int8_gemm_rows(ext, batch: int, layers: int, calls: int, repeats: int) -> l
             return ext.int8_vnni_gemm(x, *packed[i], weights[i].shape[0])
 
         rows += [_int8_gemm_row("int8 GEMM VNNI", vnni, m, weights, calls, repeats)
-                 for m in dict.fromkeys((1, 8, batch, 256))]
+                 for m in dict.fromkeys(vnni_rows)]
     return rows
 
 
@@ -181,7 +181,8 @@ def run_cli(args: argparse.Namespace) -> int:
     rows += [_extend_row(ext, n, plen, max(1, args.calls // 4), args.repeats)
              for n, plen in ((args.prefill_len, 0), (128, 2048))]
     rows += [_mlp_row(ext, m, args.calls, args.repeats) for m in (2048, args.batch)]
-    rows += _int8_gemm_rows(ext, args.batch, args.layers, args.calls, args.repeats)
+    vnni_rows = [int(m) for m in args.vnni_rows.split(",")] if args.vnni_rows else [1, 8, args.batch, 256]
+    rows += _int8_gemm_rows(ext, vnni_rows, args.layers, args.calls, args.repeats)
     rows.append(_lm_head_row(ext, args.batch, max(1, args.calls // 4), args.repeats))
     print(f"\nthreads={torch.get_num_threads()}, medians of {args.repeats} rounds, turn about")
     print(f"{'kernel':<18} {'shape':<32} {'C++ ms':>8} {'other ms':>9} {'speedup':>8}  rate")
@@ -206,6 +207,8 @@ def add_parser(bench_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--calls", type=int, default=20, help="calls per timed round (extend: a quarter)")
     p.add_argument("--repeats", type=int, default=7, help="timed rounds per kernel")
     p.add_argument("--layers", type=int, default=LAYERS, help="layers of int8 weights in the GEMM rows")
+    p.add_argument("--vnni-rows", default=None,
+                   help="rows of the VNNI GEMM rows, comma-separated (default 1,8,<batch>,256)")
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=run_cli)
     return p

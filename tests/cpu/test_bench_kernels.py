@@ -21,3 +21,14 @@ def test_bench_kernels_reports_each_kernel(tmp_path, capsys):
         ["int8 MLP middle"] * 2 + ["int8 GEMM AVX2"] * 2 + vnni + ["lm_head int8"]
     assert all(r["cpp_ms"] > 0 and r["torch_ms"] > 0 and r["speedup"] > 0 for r in rows)
     assert "speedup" in capsys.readouterr().out
+
+
+def test_bench_kernels_vnni_rows_option(tmp_path):
+    if not vnni_available(load_extension()):
+        pytest.skip("needs AVX-512 VNNI")
+    out = tmp_path / "kernels.json"
+    assert main(["bench", "kernels", "--batch", "3", "--context-len", "20", "--prefill-len", "40",
+                 "--calls", "1", "--repeats", "1", "--layers", "1", "--vnni-rows", "2,64,2",
+                 "--output-json", str(out)]) == 0
+    shapes = [r["shape"] for r in json.loads(out.read_text())["rows"] if r["kernel"] == "int8 GEMM VNNI"]
+    assert shapes == ["2 rows x 4 weights", "64 rows x 4 weights"]
