@@ -187,7 +187,12 @@ def add_parser(bench_subparsers) -> None:
     p = bench_subparsers.add_parser(
         "vs-hf", help="in-process: the engine at each concurrency vs transformers generate one at a time")
     _add_arguments(p)
-    p.set_defaults(func=lambda args: run(args) and 0)
+    p.set_defaults(func=_run_cli)
+
+
+def _run_cli(args) -> int:
+    run(args)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

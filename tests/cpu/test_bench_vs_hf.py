@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import os
 
-from radixray.bench.vs_hf import main, random_weight_copy
+from radixray.bench.vs_hf import random_weight_copy
+from radixray.cli import main
 
 
 def test_random_weight_copy_keeps_config_and_tokenizer(tiny_llama_dir, tmp_path):
@@ -18,7 +19,7 @@ def test_random_weight_copy_keeps_config_and_tokenizer(tiny_llama_dir, tmp_path)
 
 def test_vs_hf_end_to_end(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "vs_hf.json"
-    assert main(["--model", tiny_llama_dir, "--random-weights", "--dtype", "float32",
+    assert main(["bench", "vs-hf", "--model", tiny_llama_dir, "--random-weights", "--dtype", "float32",
                  "--input-len", "12", "--output-len", "6", "--num-prompts", "4",
                  "--concurrency", "1,4", "--hf-prompts", "2", "--output", str(out)]) == 0
     r = json.loads(out.read_text())
