@@ -85,10 +85,19 @@ def resolve_model(model: str) -> ModelSource:
     return ModelSource(path=path, config=config, tokenizer=tokenizer)
 
 
+_KEY_SPAN = 1 << 20  # bytes hashed at each end of a GGUF for its cache key
+
+
 def _file_key(path: str) -> str:
-    st = os.stat(path)
-    raw = f"{os.path.abspath(path)}:{st.st_size}:{int(st.st_mtime)}"
-    return hashlib.sha1(raw.encode()).hexdigest()[:16]
+    """Cache key of a GGUF from its content (size, first and last MiB), not its path: copies
+    of one file (the wheel in each checkout's venv) share one converted folder."""
+    size = os.path.getsize(path)
+    digest = hashlib.sha1(str(size).encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(_KEY_SPAN))
+        f.seek(max(0, size - _KEY_SPAN))
+        digest.update(f.read(_KEY_SPAN))
+    return digest.hexdigest()[:16]
 
 
 def convert_gguf(gguf_path: str) -> str:
