@@ -7,3 +7,11 @@ def save_json(results, path: str | None) -> None:
         import json
         with open(path, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def random_token_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """``n`` prompts of exactly ``length`` token ids drawn from [100, vocab) (past the
+    special tokens), reproducible from ``seed``."""
+    import random
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]

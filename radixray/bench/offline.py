@@ -10,26 +10,20 @@ their first tokens. Bandwidth and GEMM rate are measured in the same run.
 from __future__ import annotations
 
 import logging
-import random
 import statistics
 import time
 
 import torch
 from tqdm import tqdm
 
-from radixray.bench import save_json
+from radixray.bench import random_token_prompts, save_json
 from radixray.bench.roofline import ModelCost, measure_gemm_flops, measure_read_bandwidth
 
 logger = logging.getLogger(__name__)
 
 
-def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
-
-
 def decode_step_seconds(engine, batch: int, ctx: int, steps: int, seed: int) -> float:
-    prompts = _prompts(batch, ctx, engine.limits.vocab_size, seed)
+    prompts = random_token_prompts(batch, ctx, engine.limits.vocab_size, seed)
     params = {"temperature": 0.0, "max_new_tokens": steps + 1, "ignore_eos": True}
     outs = engine.generate(input_ids=prompts, sampling_params=params)
     first = max(o["meta_info"]["first_token_latency"] for o in outs)
@@ -39,7 +33,7 @@ def decode_step_seconds(engine, batch: int, ctx: int, steps: int, seed: int) -> 
 
 
 def prefill_tokens_per_second(engine, n: int, length: int, seed: int) -> float:
-    prompts = _prompts(n, length, engine.limits.vocab_size, seed)
+    prompts = random_token_prompts(n, length, engine.limits.vocab_size, seed)
     t0 = time.perf_counter()
     engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 1, "temperature": 0.0})
     seconds = time.perf_counter() - t0
@@ -54,7 +48,7 @@ def python_overhead(engine, batch: int, ctx: int, steps: int = 8) -> dict:
     adds a few microseconds per op to it, so it is an upper bound.
     """
     from torch.profiler import ProfilerActivity, profile
-    prompts = _prompts(batch, ctx, engine.limits.vocab_size, 99)
+    prompts = random_token_prompts(batch, ctx, engine.limits.vocab_size, 99)
     params = {"temperature": 0.0, "max_new_tokens": steps + 1, "ignore_eos": True}
     prof = profile(activities=[ProfilerActivity.CPU])
     # The profiler must start and stop on the scheduler thread, where the steps run.

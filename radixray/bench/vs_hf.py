@@ -21,24 +21,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import random
 import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from radixray.bench import save_json
+from radixray.bench import random_token_prompts, save_json
 
 logger = logging.getLogger(__name__)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "chat_template.jinja", "generation_config.json")
-
-
-def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    """``n`` prompts of exactly ``length`` token ids drawn from [100, vocab) (past the special tokens)."""
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
 def random_weight_copy(config_folder: str, out_folder: str, seed: int = 0) -> str:
@@ -121,7 +114,7 @@ def run(args) -> dict:
                         kv_cache_dtype=args.kv_cache_dtype, max_total_tokens=pool,
                         max_running_requests=max(levels))
         dtype = engine.runner.dtype
-        prompts = random_prompts(args.num_prompts, args.input_len, engine.limits.vocab_size,
+        prompts = random_token_prompts(args.num_prompts, args.input_len, engine.limits.vocab_size,
                                  args.seed)
         results: dict = {"model": args.model, "random_weights": bool(scratch),
                          "device": args.device, "dtype": str(dtype).removeprefix("torch."),

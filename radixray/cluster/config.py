@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from radixray.cluster.routing import PolicyName, RouterSettings
-from radixray.engine.config import EngineConfig
+from radixray.engine.config import DEVICE_PATTERN, EngineConfig
 
 
 class ConfigError(ValueError):
@@ -27,7 +27,7 @@ class EngineSection(BaseModel):
 
     model: str = "default"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")  # cuda needs server.worker_num_gpus
+    device: str = Field("cpu", pattern=DEVICE_PATTERN)  # cuda needs server.worker_num_gpus
     quantization: Literal["w8a8_int8"] | None = None
     quantize_lm_head: bool = False  # w8a8_int8 only: the lm_head as an int8 GEMM too
     kv_cache_dtype: Literal["auto", "bfloat16", "fp8_e5m2"] = "auto"

@@ -10,6 +10,7 @@ from radixray.kernels.int8_linear import QUANTIZATIONS
 
 DTYPES = ("auto", "float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e5m2")  # auto: the model's dtype
+DEVICE_PATTERN = r"^(cpu|cuda(:\d+)?)$"
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
+        if not re.fullmatch(DEVICE_PATTERN, self.device):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.quantization == "w8a8_int8" and self.device != "cpu":
             raise ValueError("quantization='w8a8_int8' runs on the CPU only (device='cpu')")
