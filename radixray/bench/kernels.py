@@ -18,7 +18,12 @@ MLP width 1,536):
   the AVX2 small-M kernel at 1 and 4 rows and, on CPUs with AVX-512 VNNI, the
   kernel on packed weights at 1, 8, ``--batch`` and 256 rows;
 - the lm_head (49,152 x 576) as an int8 linear (``quantize_lm_head``) against the
-  fp32 C++ linear, at ``--batch`` rows.
+  fp32 C++ linear, at ``--batch`` rows;
+- where the CPU has them, each faster instruction set against the kernel it
+  replaces: decode attention in AVX-512 against AVX2 (bf16 and fp8 pools),
+  extend attention on AMX-BF16 tiles against the fp32 kernel (keys and values
+  bf16-exact, as a bf16 or fp8 pool holds them), and the packed int8 GEMM on AMX
+  tiles against VNNI (the GEMM rows above force VNNI on AMX machines).
 
 Outputs are checked against each other before timing. Machines are noisy:
 compare ratios from one run.
@@ -53,13 +58,17 @@ def _paired_medians(fast: Callable, slow: Callable, calls: int, repeats: int) ->
     return statistics.median(times[fast]), statistics.median(times[slow])
 
 
-def _decode_row(ext, dtype: torch.dtype, batch: int, ctx: int, calls: int, repeats: int) -> dict:
+def _decode_inputs(dtype: torch.dtype, batch: int, ctx: int):
     slots = batch * ctx + 1
     k_pool, v_pool = (empty_huge((slots, KV_HEADS, HEAD_DIM), dtype) for _ in range(2))
     k_pool.copy_(torch.randn(k_pool.shape)), v_pool.copy_(torch.randn(v_pool.shape))
     q = torch.randn(batch, HEADS, HEAD_DIM)
     idx = torch.arange(1, slots).view(batch, ctx)
-    lens = torch.full((batch,), ctx)
+    return q, k_pool, v_pool, idx, torch.full((batch,), ctx)
+
+
+def _decode_row(ext, dtype: torch.dtype, batch: int, ctx: int, calls: int, repeats: int) -> dict:
+    q, k_pool, v_pool, idx, lens = _decode_inputs(dtype, batch, ctx)
     scale = HEAD_DIM ** -0.5
 
     def kernel():
@@ -98,6 +107,45 @@ def _extend_row(ext, n: int, plen: int, calls: int, repeats: int) -> dict:
             "cpp_ms": fast, "torch_ms": slow, "rate": f"{flops / fast / 1e6:.1f} GFLOP/s"}
 
 
+def _decode_isa_row(ext, dtype: torch.dtype, batch: int, ctx: int, calls: int, repeats: int) -> dict:
+    """The decode kernel in AVX-512 against the same kernel forced to AVX2."""
+    q, k_pool, v_pool, idx, lens = _decode_inputs(dtype, batch, ctx)
+
+    def with_avx512(enabled: bool):
+        def run():
+            old = ext.set_decode_avx512(enabled)
+            try:
+                return ext.paged_decode_attention(q, k_pool, v_pool, idx, lens, HEAD_DIM ** -0.5)
+            finally:
+                ext.set_decode_avx512(old)
+        return run
+
+    fast_fn, slow_fn = with_avx512(True), with_avx512(False)
+    torch.testing.assert_close(fast_fn(), slow_fn(), rtol=1e-5, atol=1e-5)
+    fast, slow = _paired_medians(fast_fn, slow_fn, calls, repeats)
+    return {"kernel": "decode AVX-512", "shape": f"{batch} x {ctx} tokens, {str(dtype)[6:]} pool",
+            "cpp_ms": fast, "torch_ms": slow, "rate": "vs the AVX2 kernel"}
+
+
+def _extend_amx_row(ext, n: int, plen: int, calls: int, repeats: int) -> dict:
+    """Extend on AMX-BF16 tiles against the fp32 C++ kernel, keys and values bf16-exact."""
+    from radixray.kernels.cpu_ops import extend_attention_bf16_ref
+    q = torch.randn(n, HEADS, HEAD_DIM)
+    k, v = (torch.randn(plen + n, KV_HEADS, HEAD_DIM).bfloat16().float() for _ in range(2))
+    scale = HEAD_DIM ** -0.5
+
+    def tiles():
+        return ext.extend_attention_bf16(q, k, v, plen, scale)
+
+    def fp32():
+        return ext.extend_attention(q, k, v, plen, scale)
+
+    torch.testing.assert_close(tiles(), extend_attention_bf16_ref(q, k, v, plen, scale), rtol=0, atol=2e-3)
+    fast, slow = _paired_medians(tiles, fp32, calls, repeats)
+    return {"kernel": "extend AMX-BF16", "shape": f"{n} new + {plen} cached tokens",
+            "cpp_ms": fast, "torch_ms": slow, "rate": "vs the fp32 C++ kernel"}
+
+
 def _mlp_row(ext, m: int, calls: int, repeats: int) -> dict:
     acc = torch.randint(-2**18, 2**18, (m, 2 * INTER), dtype=torch.int32)
     x_scale, w_scale = torch.rand(m) * 1e-3, torch.rand(2 * INTER) * 1e-3
@@ -115,26 +163,29 @@ def _mlp_row(ext, m: int, calls: int, repeats: int) -> dict:
 
 
 def _int8_gemm_row(label: str, gemm: Callable, m: int, weights: list[torch.Tensor], calls: int,
-                   repeats: int) -> dict:
-    """``gemm(x, i)``: the kernel's product of x with weight i, against torch._int_mm."""
+                   repeats: int, other: Callable | None = None, other_label: str = "") -> dict:
+    """``gemm(x, i)``: the kernel's product of x with weight i, against ``other`` (same
+    signature; default torch._int_mm)."""
     xs = {k: torch.randint(-127, 128, (m, k), dtype=torch.int8) for k in (HIDDEN, INTER)}
     transposed = [w.t() for w in weights]  # the layout Int8Linear hands torch._int_mm
 
     def kernel():
         return [gemm(xs[w.shape[1]], i) for i, w in enumerate(weights)]
 
-    def onednn():
+    def baseline():
+        if other is not None:
+            return [other(xs[w.shape[1]], i) for i, w in enumerate(weights)]
         return [torch._int_mm(xs[w.shape[0]], w) for w in transposed]
 
-    assert all(torch.equal(a, b) for a, b in zip(kernel(), onednn()))
-    fast, slow = _paired_medians(kernel, onednn, calls, repeats)
+    assert all(torch.equal(a, b) for a, b in zip(kernel(), baseline()))
+    fast, slow = _paired_medians(kernel, baseline, calls, repeats)
     total = sum(w.numel() for w in weights)
     return {"kernel": label, "shape": f"{m} rows x {len(weights)} weights",
-            "cpp_ms": fast, "torch_ms": slow, "rate": f"{total / fast / 1e6:.1f} GB/s"}
+            "cpp_ms": fast, "torch_ms": slow, "rate": f"{total / fast / 1e6:.1f} GB/s{other_label}"}
 
 
 def _int8_gemm_rows(ext, vnni_rows: list[int], layers: int, calls: int, repeats: int) -> list[dict]:
-    from radixray.kernels.int8_linear import vnni_available
+    from radixray.kernels.int8_linear import amx_available, vnni_available
     shapes = [(HEADS * HEAD_DIM + 2 * KV_HEADS * HEAD_DIM, HIDDEN), (HIDDEN, HEADS * HEAD_DIM),
               (2 * INTER, HIDDEN), (HIDDEN, INTER)]
     weights = [torch.randint(-127, 128, s, dtype=torch.int8) for _ in range(layers) for s in shapes]
@@ -144,11 +195,21 @@ def _int8_gemm_rows(ext, vnni_rows: list[int], layers: int, calls: int, repeats:
     if vnni_available(ext):
         packed = [ext.int8_vnni_pack(w) for w in weights]
 
-        def vnni(x, i):
-            return ext.int8_vnni_gemm(x, *packed[i], weights[i].shape[0])
+        def on(amx_from_rows: int):  # the packed GEMM with AMX from this many rows
+            def gemm(x, i):
+                old = ext.int8_set_amx_min_rows(amx_from_rows)
+                try:
+                    return ext.int8_vnni_gemm(x, *packed[i], weights[i].shape[0])
+                finally:
+                    ext.int8_set_amx_min_rows(old)
+            return gemm
 
+        vnni, amx = on(1 << 40), on(1)
         rows += [_int8_gemm_row("int8 GEMM VNNI", vnni, m, weights, calls, repeats)
                  for m in dict.fromkeys(vnni_rows)]
+        if amx_available(ext):
+            rows += [_int8_gemm_row("int8 GEMM AMX", amx, m, weights, calls, repeats, vnni, ", vs VNNI")
+                     for m in dict.fromkeys(vnni_rows)]
     return rows
 
 
@@ -184,6 +245,12 @@ def run_cli(args: argparse.Namespace) -> int:
     vnni_rows = [int(m) for m in args.vnni_rows.split(",")] if args.vnni_rows else [1, 8, args.batch, 256]
     rows += _int8_gemm_rows(ext, vnni_rows, args.layers, args.calls, args.repeats)
     rows.append(_lm_head_row(ext, args.batch, max(1, args.calls // 4), args.repeats))
+    if ext.decode_avx512_supported():
+        rows += [_decode_isa_row(ext, dtype, args.batch, args.context_len, args.calls, args.repeats)
+                 for dtype in (torch.bfloat16, torch.float8_e5m2)]
+    if ext.amx_bf16_supported():
+        rows += [_extend_amx_row(ext, n, plen, max(1, args.calls // 4), args.repeats)
+                 for n, plen in ((args.prefill_len, 0), (128, 2048))]
     print(f"\nthreads={torch.get_num_threads()}, medians of {args.repeats} rounds, turn about")
     print(f"{'kernel':<18} {'shape':<32} {'C++ ms':>8} {'other ms':>9} {'speedup':>8}  rate")
     for r in rows:

@@ -124,7 +124,8 @@ class TorchAttention(AttentionBackend):
 
 class CpuPagedAttention(TorchAttention):
     """Decode reads K/V straight from the paged pool, extend runs over each request's
-    contiguous keys/values, both in the C++ kernels (csrc/attention.cpp)."""
+    contiguous keys/values, both in the C++ kernels (csrc/attention.cpp; extend over bf16
+    or fp8 pools on AMX-BF16 tiles where the CPU has them, csrc/attention_amx.cpp)."""
 
     name = "cpu_paged"
 
@@ -137,6 +138,10 @@ class CpuPagedAttention(TorchAttention):
         self.ext = load_extension()
         if self.ext is None:
             raise RuntimeError("attention_backend=cpu_paged needs the radixray CPU kernels")
+        # bf16 and fp8 pools hold bf16-exact keys and values: with AMX-BF16, extend runs on
+        # tiles (queries and probabilities rounded to bf16, fp32 sums and softmax).
+        self.extend_on_tiles = (kv_pool.dtype in (torch.bfloat16, torch.float8_e5m2)
+                                and bool(self.ext.amx_bf16_supported()))
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.mode is ForwardMode.DECODE:
@@ -147,6 +152,9 @@ class CpuPagedAttention(TorchAttention):
             super().init_forward_metadata(batch)
 
     def _attend(self, q, k, v, plen: int):
+        heads, head_dim = q.shape[1], q.shape[2]
+        if self.extend_on_tiles and head_dim % 32 == 0 and heads // k.shape[1] <= 32:
+            return self.ext.extend_attention_bf16(q, k, v, plen, self.scaling)
         return self.ext.extend_attention(q, k, v, plen, self.scaling)
 
     def _decode(self, q, layer, batch):

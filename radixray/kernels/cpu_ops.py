@@ -43,8 +43,9 @@ def load_extension():
         try:
             from torch.utils.cpp_extension import load
             csrc = os.path.join(os.path.dirname(__file__), "csrc")
-            sources = [os.path.join(csrc, name) for name in ("cpu_ops.cpp", "attention.cpp", "int8_ops.cpp",
-                                                                  "int8_vnni.cpp", "kv_store.cpp")]
+            sources = [os.path.join(csrc, name) for name in (
+                "cpu_ops.cpp", "attention.cpp", "attention_amx.cpp", "decode_avx512.cpp", "int8_ops.cpp",
+                "int8_vnni.cpp", "kv_store.cpp")]
             logger.info("Loading radixray CPU kernels (compiled once per machine, ~1 min)")
             load(name="radixray_cpu_ops", sources=sources,
                  extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
@@ -86,6 +87,24 @@ def paged_decode_attention_ref(q, k_pool, v_pool, kv_indices, seq_lens, scale):
         out.append(F.scaled_dot_product_attention(q[b][:, None], k, v, scale=scale,
                                                   enable_gqa=True)[:, 0])
     return torch.stack(out)
+
+
+def extend_attention_bf16_ref(q, k, v, plen: int, scale: float):
+    """What ``extend_attention_bf16`` computes: q [n, H, D] scaled then rounded to bf16, k/v
+    [plen + n, KVH, D] (bf16-exact), scores in fp32, exp(score - row max) rounded to bf16,
+    sums in fp32, each row divided by its fp32 sum of exps at the end; token i sees keys
+    0 .. plen + i -> [n, H, D] fp32."""
+    n, heads, _ = q.shape
+    group = heads // k.shape[1]
+    qb = (q.float() * scale).bfloat16().float()
+    kx = k.float().repeat_interleave(group, dim=1)
+    vx = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,thd->hnt", qb, kx)
+    future = torch.ones(n, plen + n, dtype=torch.bool).tril(diagonal=plen).logical_not()
+    scores = scores.masked_fill(future, float("-inf"))
+    exps = (scores - scores.amax(-1, keepdim=True)).exp()
+    out = torch.einsum("hnt,thd->nhd", exps.bfloat16().float(), vx)
+    return out / exps.sum(-1).transpose(0, 1)[..., None]
 
 
 # ---- dispatch ---------------------------------------------------------------------------

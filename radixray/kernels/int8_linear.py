@@ -15,6 +15,10 @@ VNNI gain less. Outputs are close to, not equal to, the fp32 model's.
 
 Which GEMM runs (the integers are the same from all three):
 
+- CPUs with AMX-INT8 (Sapphire Rapids and later): the packed-weight C++ GEMM for
+  every row count, on AMX tiles from 12 rows (csrc/int8_amx.h; 1.3x VNNI at 32
+  rows, 1.4x at 2,048, where torch._int_mm's oneDNN path does not use AMX) and
+  on VNNI below. ``RADIXRAY_DISABLE_AMX=1`` keeps to the VNNI rules below.
 - CPUs with AVX-512 VNNI: up to ``VNNI_M_MAX`` rows a C++ kernel on a copy of the
   weight packed at load time in the instruction's order (csrc/int8_vnni.cpp);
   more rows (prefills) ``torch._int_mm``, where oneDNN is faster. Both
@@ -47,6 +51,12 @@ VNNI_M_MAX = 64
 def vnni_available(ext) -> bool:
     """Whether the extension ``ext`` (or None) can run the AVX-512 VNNI GEMM on this CPU."""
     return ext is not None and bool(ext.int8_vnni_supported())
+
+
+def amx_available(ext) -> bool:
+    """Whether the packed GEMM of ``ext`` runs on AMX tiles here: the CPU has AMX-INT8, the
+    OS lets the process use it, and ``RADIXRAY_DISABLE_AMX`` is not 1 (read once)."""
+    return vnni_available(ext) and bool(ext.int8_amx_supported())
 
 
 def unpack_vnni(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -104,6 +114,7 @@ class Int8Linear(nn.Module):
         # _int_mm wants the [K, N] operand; a transposed view of the [N, K] rows is its fast layout.
         self.register_buffer("w_q_t", w_q.t(), persistent=False)
         self.vnni = vnni_available(self.ext)
+        self.amx = amx_available(self.ext)
         packed, comp = self.ext.int8_vnni_pack(w_q) if self.vnni else (None, None)
         self.register_buffer("w_vnni", packed, persistent=False)
         self.register_buffer("w_vnni_comp", comp, persistent=False)
@@ -117,7 +128,7 @@ class Int8Linear(nn.Module):
         return self.w_q_t.t()
 
     def _vnni_for(self, rows: int) -> bool:
-        return self.vnni and rows <= VNNI_M_MAX
+        return self.vnni and (rows <= VNNI_M_MAX or self.amx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ext = self.ext

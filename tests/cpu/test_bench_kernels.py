@@ -6,7 +6,7 @@ import pytest
 
 from radixray.cli import main
 from radixray.kernels.cpu_ops import load_extension
-from radixray.kernels.int8_linear import vnni_available
+from radixray.kernels.int8_linear import amx_available, vnni_available
 
 
 @pytest.mark.skipif(load_extension() is None, reason="C++ CPU kernels not built here")
@@ -16,9 +16,13 @@ def test_bench_kernels_reports_each_kernel(tmp_path, capsys):
                "--calls", "1", "--repeats", "1", "--layers", "1", "--output-json", str(out)])
     assert rc == 0
     rows = json.loads(out.read_text())["rows"]
-    vnni = ["int8 GEMM VNNI"] * 4 if vnni_available(load_extension()) else []  # 1, 8, 3, 256 rows
+    ext = load_extension()
+    vnni = ["int8 GEMM VNNI"] * 4 if vnni_available(ext) else []  # 1, 8, 3, 256 rows
+    amx = ["int8 GEMM AMX"] * 4 if amx_available(ext) else []
+    isa = (["decode AVX-512"] * 2 if ext.decode_avx512_supported() else []) + \
+        (["extend AMX-BF16"] * 2 if ext.amx_bf16_supported() else [])
     assert [r["kernel"] for r in rows] == ["decode attention"] * 3 + ["extend attention"] * 2 + \
-        ["int8 MLP middle"] * 2 + ["int8 GEMM AVX2"] * 2 + vnni + ["lm_head int8"]
+        ["int8 MLP middle"] * 2 + ["int8 GEMM AVX2"] * 2 + vnni + amx + ["lm_head int8"] + isa
     assert all(r["cpp_ms"] > 0 and r["torch_ms"] > 0 and r["speedup"] > 0 for r in rows)
     assert "speedup" in capsys.readouterr().out
 

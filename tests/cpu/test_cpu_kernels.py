@@ -50,10 +50,19 @@ def test_silu_mul_over_the_whole_float_range():
     torch.testing.assert_close(got, cpu_ops.silu_mul_ref(g), rtol=2e-6, atol=1e-30)
 
 
+@pytest.fixture(params=["avx512", "avx2"])
+def decode_kernel(request):
+    """The decode kernel the test checks: AVX-512 where the CPU and the shape allow it (else
+    the AVX2 one runs anyway), or AVX2 forced."""
+    old = ext.set_decode_avx512(request.param == "avx512")
+    yield request.param
+    ext.set_decode_avx512(old)
+
+
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 16), (8, 2, 32), (4, 1, 128),
-                                                (6, 2, 70)])
-def test_paged_decode_attention(heads, kv_heads, dim, pool_dtype):
+                                                (6, 2, 70), (12, 3, 64), (2, 1, 128), (16, 2, 32)])
+def test_paged_decode_attention(heads, kv_heads, dim, pool_dtype, decode_kernel):
     torch.manual_seed(heads)
     pool = 800
     kp = torch.randn(pool + 1, kv_heads, dim)
@@ -73,6 +82,9 @@ def test_paged_decode_attention(heads, kv_heads, dim, pool_dtype):
     got = ext.paged_decode_attention(q, kp, vp, idx, lens, scale)
     want = cpu_ops.paged_decode_attention_ref(q, kp, vp, idx, lens, scale)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # one request: work split by kv head
+    one = ext.paged_decode_attention(q[2:3], kp, vp, idx[2:3], lens[2:3], scale)
+    torch.testing.assert_close(one, want[2:3], rtol=1e-5, atol=1e-5)
 
 
 def test_reference_fallback_when_disabled():

@@ -1,5 +1,6 @@
-"""The AVX-512 VNNI int8 GEMM on packed weights (csrc/int8_vnni.cpp) against an int32
-matmul, its packed layout, and where ``Int8Linear`` uses it. Skipped on CPUs without VNNI."""
+"""The int8 GEMM on packed weights (csrc/int8_vnni.cpp: AVX-512 VNNI, and AMX tiles where
+the CPU has them, csrc/int8_amx.h) against an int32 matmul, its packed layout, and where
+``Int8Linear`` uses it. Skipped on CPUs without VNNI; the AMX cases without AMX."""
 
 from __future__ import annotations
 
@@ -7,10 +8,28 @@ import pytest
 import torch
 
 from radixray.kernels.cpu_ops import load_extension
-from radixray.kernels.int8_linear import VNNI_M_MAX, Int8Linear, unpack_vnni, vnni_available
+from radixray.kernels.int8_linear import (
+    VNNI_M_MAX,
+    Int8Linear,
+    amx_available,
+    unpack_vnni,
+    vnni_available,
+)
 
 EXT = load_extension()
 needs_vnni = pytest.mark.skipif(not vnni_available(EXT), reason="no AVX-512 VNNI (or no C++ kernels) here")
+HAS_AMX = amx_available(EXT)
+
+
+@pytest.fixture(params=["vnni", "amx"])
+def packed_kernel(request):
+    """Runs the test with the packed GEMM forced onto one instruction set: AMX from the first
+    row (skipped where the CPU has no AMX) or VNNI for every row count."""
+    if request.param == "amx" and not HAS_AMX:
+        pytest.skip("no AMX-INT8 here")
+    old = EXT.int8_set_amx_min_rows(1 if request.param == "amx" else 1 << 40)
+    yield request.param
+    EXT.int8_set_amx_min_rows(old)
 
 
 def _codes(shape, seed):
@@ -19,8 +38,10 @@ def _codes(shape, seed):
 
 @needs_vnni
 @pytest.mark.parametrize("m", [1, 2, 4, 5, 8, 9, 17, 33, 100])
-@pytest.mark.parametrize("k,n", [(5, 17), (70, 40), (576, 960), (1536, 576), (64, 49)])
-def test_vnni_gemm_gives_the_same_integers(m, k, n):
+@pytest.mark.parametrize("k,n", [(5, 17), (70, 40), (576, 960), (1536, 576), (64, 49), (128, 16)])
+def test_vnni_gemm_gives_the_same_integers(m, k, n, packed_kernel):
+    """Both kernels; with AMX, K not a multiple of 64 (5, 70) stays on VNNI, and N covers
+    an odd block count with a partial last block (49) and a single block (16)."""
     x, w = _codes((m, k), m * 1000 + k), _codes((n, k), n * 7 + k)
     x[0], w[0] = 127, 127  # the largest sums, both signs, and the smallest code
     x[-1], w[-1] = -127, 127
@@ -42,7 +63,8 @@ def test_vnni_pack_layout_round_trips_and_checks_shapes():
 
 
 @needs_vnni
-def test_int8_linear_uses_vnni_up_to_its_bound_and_int_mm_above():
+def test_int8_linear_uses_the_packed_gemm_up_to_its_bound_and_int_mm_above():
+    """Without AMX the packed (VNNI) GEMM runs up to VNNI_M_MAX rows; with AMX, for every row count."""
     layer = Int8Linear(torch.randn(40, 64), None)
     assert layer.vnni and torch.equal(unpack_vnni(layer.w_vnni, 40, 64), layer.w_q)
     calls = []
@@ -60,19 +82,20 @@ def test_int8_linear_uses_vnni_up_to_its_bound_and_int_mm_above():
     for rows in (1, 33, VNNI_M_MAX, VNNI_M_MAX + 1):
         x_q = _codes((rows, 64), rows)
         assert torch.equal(layer.accumulate(x_q), x_q.int() @ layer.w_q.int().t())
-    assert calls == [1, 33, VNNI_M_MAX]
+    assert calls == [1, 33, VNNI_M_MAX] + ([VNNI_M_MAX + 1] if layer.amx else [])
 
 
-def test_vnni_support_is_a_plain_answer():
-    assert vnni_available(None) is False
+def test_vnni_and_amx_support_are_plain_answers():
+    assert vnni_available(None) is False and amx_available(None) is False
     if EXT is not None:
         assert isinstance(EXT.int8_vnni_supported(), bool)
+        assert isinstance(EXT.int8_amx_supported(), bool)
 
 
 @needs_vnni
 @pytest.mark.parametrize("m,k,n,bias", [(1, 576, 960, False), (5, 70, 49, True), (33, 1536, 576, True),
-                                         (8, 64, 16, False)])
-def test_vnni_linear_equals_the_separate_ops(m, k, n, bias):
+                                         (8, 64, 16, False), (70, 128, 80, True)])
+def test_vnni_linear_equals_the_separate_ops(m, k, n, bias, packed_kernel):
     """quantize -> GEMM -> rescale in one call gives the bits of the three ops, from fp32
     rows or from codes and their scales."""
     g = torch.Generator().manual_seed(m + n)

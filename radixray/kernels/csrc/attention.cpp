@@ -37,6 +37,7 @@
 #include <cstring>
 #include <vector>
 
+#include "decode_avx512.h"
 #include "simd.h"
 
 using namespace radixray_simd;
@@ -261,6 +262,7 @@ template <typename T>
 void paged_decode_attention_impl(const float* Q, const T* KP, const T* VP, const int64_t* IDX,
                                  const int64_t* LEN, float* O, int64_t B, int64_t H, int64_t D,
                                  int64_t KVH, int64_t Lmax, float sc) {
+  if (paged_decode_attention_avx512<T>({Q, KP, VP, IDX, LEN, O, B, H, D, KVH, Lmax, sc})) return;
   const int64_t G = H / KVH;
   // A request per work item; with fewer than 2 requests per thread, a (request, kv head) pair.
   const int64_t split = B < 2 * omp_get_max_threads() ? KVH : 1;
@@ -430,7 +432,16 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
   return out;
 }
 
+// Turns the AVX-512 decode kernel on or off (where the CPU has it); returns the old setting.
+bool set_decode_avx512(bool enabled) {
+  const bool old = decode_avx512_enabled();
+  decode_avx512_enabled() = enabled;
+  return old;
+}
+
 TORCH_LIBRARY_FRAGMENT(radixray, m) {
+  m.def("decode_avx512_supported() -> bool", &decode_avx512_supported);
+  m.def("set_decode_avx512(bool enabled) -> bool", &set_decode_avx512);
   m.def("paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor kv_indices, "
         "Tensor seq_lens, float scale) -> Tensor");
   m.def("extend_attention(Tensor q, Tensor k, Tensor v, int prefix_len, float scale) -> Tensor");

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <vector>
 
+#include "int8_amx.h"
 #include "int8_rows.h"
 
 namespace {
@@ -44,6 +45,7 @@ struct RescaledOut {  // y = (acc * x_scale[m]) * w_scale[n] (+ bias[n]), as res
 };
 
 constexpr int64_t kCols = 16;  // output columns per packed block (one zmm of int32)
+int64_t g_amx_min_rows = 12;  // rows from which AMX tiles run the packed GEMM (where the CPU has them; below, VNNI is faster)
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vnni")
@@ -131,7 +133,9 @@ void vnni_gemm_blocks(const uint8_t* xu, int64_t M, int64_t Kp, const int8_t* wp
 template <class Out>
 void vnni_gemm(const uint8_t* xu, int64_t M, int64_t Kp, const int8_t* wp, const int32_t* comp, const Out& out,
                int64_t N) {
-  if (M >= 5) vnni_gemm_blocks<8, 3>(xu, M, Kp, wp, comp, out, N);
+  if (M >= g_amx_min_rows && Kp % radixray_amx::kK == 0 && radixray_amx::amx_int8_usable())
+    radixray_amx::amx_gemm(xu, M, Kp, wp, comp, out, N);
+  else if (M >= 5) vnni_gemm_blocks<8, 3>(xu, M, Kp, wp, comp, out, N);
   else vnni_gemm_blocks<8, 4>(xu, M, Kp, wp, comp, out, N);
 }
 
@@ -250,8 +254,17 @@ torch::Tensor int8_vnni_linear(torch::Tensor x, c10::optional<torch::Tensor> x_s
   return y;
 }
 
+bool int8_amx_supported() { return radixray_amx::amx_int8_usable(); }
+int64_t int8_set_amx_min_rows(int64_t rows) {
+  const int64_t old = g_amx_min_rows;
+  g_amx_min_rows = rows;
+  return old;
+}
+
 TORCH_LIBRARY_FRAGMENT(radixray, m) {
-  m.def("int8_vnni_supported() -> bool", &int8_vnni_supported);  // no tensors: a catch-all kernel
+  m.def("int8_vnni_supported() -> bool", &int8_vnni_supported);
+  m.def("int8_amx_supported() -> bool", &int8_amx_supported);
+  m.def("int8_set_amx_min_rows(int rows) -> int", &int8_set_amx_min_rows);  // no tensors: a catch-all kernel
   m.def("int8_vnni_pack(Tensor w) -> Tensor[]");
   m.def("int8_vnni_gemm(Tensor x, Tensor packed, Tensor comp, int N) -> Tensor");
   m.def("int8_vnni_linear(Tensor x, Tensor? x_scale, Tensor packed, Tensor comp, Tensor w_scale, Tensor? bias, "
