@@ -16,9 +16,9 @@ VNNI gain less. Outputs are close to, not equal to, the fp32 model's.
 Which GEMM runs (the integers are the same from all three):
 
 - CPUs with AMX-INT8 (Sapphire Rapids and later): the packed-weight C++ GEMM for
-  every row count, on AMX tiles from 12 rows (csrc/int8_amx.h; 1.3x VNNI at 32
-  rows, 1.4x at 2,048, where torch._int_mm's oneDNN path does not use AMX) and
-  on VNNI below. ``RADIXRAY_DISABLE_AMX=1`` keeps to the VNNI rules below.
+  every row count, on AMX tiles from 12 rows (csrc/int8_amx.h; 1.18x VNNI at 32
+  rows and 1.57x at 256 in `radixray bench kernels`; torch._int_mm's oneDNN path
+  does not use AMX there) and on VNNI below. ``RADIXRAY_DISABLE_AMX=1`` keeps to the VNNI rules below.
 - CPUs with AVX-512 VNNI: up to ``VNNI_M_MAX`` rows a C++ kernel on a copy of the
   weight packed at load time in the instruction's order (csrc/int8_vnni.cpp);
   more rows (prefills) ``torch._int_mm``, where oneDNN is faster. Both

@@ -37,10 +37,11 @@ constexpr int64_t kMaxRows = 32;  // query rows per tile (two A tiles)
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16,avx512vl")
 
-// n fp32 values -> bf16, rounded to nearest even (n a multiple of 16).
-inline void to_bf16(const float* x, uint16_t* y, int64_t n) {
+// n fp32 values times scale -> bf16, rounded to nearest even (n a multiple of 16).
+inline void to_bf16(const float* x, uint16_t* y, int64_t n, float scale = 1.0f) {
+  const __m512 s = _mm512_set1_ps(scale);
   for (int64_t i = 0; i < n; i += 16) {
-    const __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
+    const __m256bh b = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(x + i), s));
     std::memcpy(y + i, &b, 32);
   }
 }
@@ -98,7 +99,7 @@ void pack_kv(const float* K, const float* V, const Layout& lay, uint16_t* KB, ui
 }
 
 struct Scratch {
-  std::vector<uint16_t> q;  // [32, D] bf16 query rows (zeros past the tile's rows)
+  std::vector<uint16_t> q;  // [32, D] bf16 scaled query rows (zeros past the tile's rows)
   std::vector<float> s;     // [32, Lq] scores
   std::vector<uint16_t> p;  // [32, Lq] bf16 exps (unnormalized probabilities)
   std::vector<float> o;     // [32, D] outputs
@@ -109,16 +110,15 @@ void amx_extend_tile(const float* Q, const uint16_t* KB, const uint16_t* VB, con
                      int64_t plen, int64_t qs, int64_t nq, int64_t kh, float sc, Scratch& w, float* O) {
   const int64_t D = lay.D, G = H / lay.KVH, R = nq * G;
   const int64_t L = plen + qs + nq, Lb = (L + 15) / 16, Lq = (L + 31) / 32 * 32;
-  w.q.assign(static_cast<size_t>(kMaxRows * D), 0);
+  w.q.resize(static_cast<size_t>(kMaxRows * D));
   w.s.resize(static_cast<size_t>(kMaxRows * Lq));
-  w.p.assign(static_cast<size_t>(kMaxRows * Lq), 0);
+  w.p.resize(static_cast<size_t>(kMaxRows * Lq));
   w.o.resize(static_cast<size_t>(kMaxRows * D));
-  std::vector<float> row(static_cast<size_t>(D));
-  for (int64_t r = 0; r < R; ++r) {  // row r = token r / G, query head kh * G + r % G, scaled
-    const float* q = Q + ((qs + r / G) * H + kh * G + r % G) * D;
-    for (int64_t d = 0; d < D; ++d) row[d] = q[d] * sc;
-    to_bf16(row.data(), w.q.data() + r * D, D);
-  }
+  // Rows R .. 31 of the A tiles are zeros: their results are never read, but stay finite.
+  std::fill(w.q.begin() + R * D, w.q.end(), 0);
+  std::fill(w.p.begin() + R * Lq, w.p.end(), 0);
+  for (int64_t r = 0; r < R; ++r)  // row r = token r / G, query head kh * G + r % G, scaled
+    to_bf16(Q + ((qs + r / G) * H + kh * G + r % G) * D, w.q.data() + r * D, D, sc);
   const uint16_t* kb = KB + kh * lay.key_head();
   const int64_t qstride = D * 2, sstride = Lq * 4;
   for (int64_t b = 0; b < Lb; ++b) {  // tiles: C 0-1, Q 2-3, K 4

@@ -156,13 +156,23 @@ void decode_all(const DecodeArgs<T>& a) {
   }
 }
 
+// Runs when the G x ND query vectors fit in 16 of the 32 registers.
+template <typename T, int G, int ND>
+bool decode_if_fits(const DecodeArgs<T>& a) {
+  if constexpr (G * ND <= 16) {
+    decode_all<T, G, ND>(a);
+    return true;
+  }
+  return false;
+}
+
 template <typename T, int ND>
 bool decode_nd(const DecodeArgs<T>& a, int64_t G) {
   switch (G) {
-    case 1: decode_all<T, 1, ND>(a); return true;
-    case 2: decode_all<T, 2, ND>(a); return true;
-    case 3: if (3 * ND <= 16) { decode_all<T, 3, (3 * ND <= 16 ? ND : 1)>(a); return true; } return false;
-    case 4: if (4 * ND <= 16) { decode_all<T, 4, (4 * ND <= 16 ? ND : 1)>(a); return true; } return false;
+    case 1: return decode_if_fits<T, 1, ND>(a);
+    case 2: return decode_if_fits<T, 2, ND>(a);
+    case 3: return decode_if_fits<T, 3, ND>(a);
+    case 4: return decode_if_fits<T, 4, ND>(a);
     default: return false;
   }
 }
@@ -190,7 +200,7 @@ bool paged_decode_attention_avx512(const DecodeArgs<T>& a) {
   switch (a.D / 16) {
     case 2: return decode_nd<T, 2>(a, G);
     case 4: return decode_nd<T, 4>(a, G);
-    case 8: return G <= 2 && decode_nd<T, 8>(a, G);
+    case 8: return decode_nd<T, 8>(a, G);
     default: return false;
   }
 }

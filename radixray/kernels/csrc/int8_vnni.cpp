@@ -262,9 +262,10 @@ int64_t int8_set_amx_min_rows(int64_t rows) {
 }
 
 TORCH_LIBRARY_FRAGMENT(radixray, m) {
+  // No tensors in these three: each is a catch-all kernel.
   m.def("int8_vnni_supported() -> bool", &int8_vnni_supported);
   m.def("int8_amx_supported() -> bool", &int8_amx_supported);
-  m.def("int8_set_amx_min_rows(int rows) -> int", &int8_set_amx_min_rows);  // no tensors: a catch-all kernel
+  m.def("int8_set_amx_min_rows(int rows) -> int", &int8_set_amx_min_rows);
   m.def("int8_vnni_pack(Tensor w) -> Tensor[]");
   m.def("int8_vnni_gemm(Tensor x, Tensor packed, Tensor comp, int N) -> Tensor");
   m.def("int8_vnni_linear(Tensor x, Tensor? x_scale, Tensor packed, Tensor comp, Tensor w_scale, Tensor? bias, "
