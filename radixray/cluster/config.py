@@ -70,6 +70,10 @@ class ServerSection(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     route_prefix: str = "/"
+    # where HTTP enters a Ray instance `radixray serve` starts itself (see cluster/ingress_mode.py):
+    # direct (into the ingress replica), proxy (through Serve's proxy actor), auto (direct for
+    # one ingress replica)
+    ingress: Literal["auto", "direct", "proxy"] = "auto"
     served_model_name: str | None = None  # default: "default" or the model folder's name
     ingress_replicas: int = Field(1, ge=1)
     ingress_num_cpus: float = Field(0.0, ge=0)

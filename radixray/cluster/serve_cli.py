@@ -32,7 +32,7 @@ _FLAG_FIELDS = {
     "stream_interval": ("engine", "stream_interval"),
     "host": ("server", "host"), "port": ("server", "port"),
     "served_model_name": ("server", "served_model_name"),
-    "ingress_replicas": ("server", "ingress_replicas"),
+    "ingress_replicas": ("server", "ingress_replicas"), "ingress": ("server", "ingress"),
     "log_level": ("server", "log_level"),
     "workers": ("fleet", "workers"), "router_policy": ("router", "policy"),
 }
@@ -66,6 +66,10 @@ def add_parser(sub) -> None:
                    "values send fewer, bigger chunks and leave more CPU to the engine)")
     p.add_argument("--served-model-name")
     p.add_argument("--ingress-replicas", type=int)
+    p.add_argument("--ingress", choices=["auto", "direct", "proxy"],
+                   help="where HTTP enters a local Ray: direct (into the ingress replica, "
+                   "no proxy hop), proxy (Serve's proxy actor), auto (default: direct for one "
+                   "ingress replica)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--workers", type=int, help="engine workers (default 1), each with its own "
                    "model copy and KV pool")
@@ -101,6 +105,17 @@ def cmd_serve(args) -> int:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from radixray.cluster.ingress_mode import IngressPlan, plan_ingress, prepare_local_ray
+    server = cfg.server
+    if args.address:  # the cluster's own environment decides; see cluster/ingress_mode.py
+        plan = IngressPlan("proxy", (server.port,), server.port)
+    else:
+        try:
+            plan = plan_ingress(server.ingress, server.port, server.ingress_replicas, server.host)
+        except ValueError as exc:
+            print(f"radixray serve: {exc}")
+            return 2
+        prepare_local_ray(plan)
     import ray
     from ray import serve
 
@@ -110,18 +125,20 @@ def cmd_serve(args) -> int:
     else:
         ray.init(_node_ip_address="127.0.0.1", num_cpus=args.num_cpus, include_dashboard=False,
                  namespace=cfg.namespace)
+    logger.info("ingress: %s on port %s%s", plan.mode, ", ".join(map(str, plan.ports)),
+                f" (Serve's proxy idles on {plan.proxy_port})" if plan.mode == "direct" else "")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: (logger.warning(
             "%s received: draining requests and shutting down...", signal.Signals(signum).name),
             stop.set()))
-    serve.start(http_options={"host": cfg.server.host, "port": cfg.server.port})
-    serve.run(build_app(cfg), name=cfg.app_name, route_prefix=cfg.server.route_prefix,
+    serve.start(http_options={"host": server.host, "port": plan.proxy_port})
+    serve.run(build_app(cfg), name=cfg.app_name, route_prefix=server.route_prefix,
               blocking=False)
-    base = f"http://{cfg.server.host}:{cfg.server.port}"
-    if not wait_ready(base, stop):
+    bases = [f"http://{server.host}:{port}" for port in plan.ports]
+    if not all(wait_ready(base, stop) for base in bases):
         return drain_and_exit(cfg, stop, args.drain_timeout)
-    print_ready(base, cfg.server.served_model_name)
+    print_ready(bases, server.served_model_name, plan.mode)
     stop.wait()
     return drain_and_exit(cfg, stop, args.drain_timeout)
 
@@ -141,9 +158,11 @@ def wait_ready(base: str, stop: threading.Event, timeout: float = 1800) -> bool:
     return False
 
 
-def print_ready(base: str, model: str) -> None:
+def print_ready(bases: list[str], model: str, ingress: str) -> None:
+    base = bases[0]
+    more = f"\n  ingress replicas also on: {', '.join(bases[1:])}" if len(bases) > 1 else ""
     print(f"""
-radixray is ready: {base}  (model "{model}")
+radixray is ready: {base}  (model "{model}", {ingress} ingress){more}
   curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
   python -c "from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='-'); \\

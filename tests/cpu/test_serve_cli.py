@@ -55,7 +55,11 @@ def test_sigterm_drains_in_flight_request_then_exits_zero(tiny_llama_dir, tmp_pa
             proc.kill()
             proc.wait()
         log.close()
-    assert "Gracefully exiting" in (tmp_path / "serve.log").read_text()
+    text = (tmp_path / "serve.log").read_text()
+    assert "Gracefully exiting" in text
+    # one ingress replica: HTTP goes straight into it, Serve's proxy idles on another port
+    assert f"ingress: direct on port {port} (Serve's proxy idles on" in text, text
+    assert f"radixray is ready: {base}  (model \"tiny\", direct ingress)" in text, text
 
 
 JOB_SCRIPT = """

@@ -28,6 +28,7 @@ def test_overrides_and_served_name():
     ({"engine": {"mem_fraction_static": 1.5}}, "engine.mem_fraction_static"),
     ({"server": {"port": 70000}}, "server.port"),
     ({"server": {"prot": 1}}, "server.prot"),
+    ({"server": {"ingress": "sideways"}}, "server.ingress"),
     ({"engine": {"schedule_policy": "random"}}, "engine.schedule_policy"),
     ({"engine": {"quantization": "int4"}}, "engine.quantization"),
     ({"engine": {"device": "tpu"}}, "engine.device"),
