@@ -108,6 +108,9 @@ def cmd_serve(args) -> int:
     from radixray.cluster.ingress_mode import IngressPlan, plan_ingress, prepare_local_ray
     server = cfg.server
     if args.address:  # the cluster's own environment decides; see cluster/ingress_mode.py
+        if server.ingress == "direct":
+            logger.warning("--ingress direct applies to a Ray this command starts; on a running "
+                           "cluster set RAY_SERVE_ENABLE_DIRECT_INGRESS=1 in its environment")
         plan = IngressPlan("proxy", (server.port,), server.port)
     else:
         try:
