@@ -68,3 +68,26 @@ def metric(text: str, name: str, **labels) -> float:
         if all(have.get(k) == v for k, v in labels.items()):
             total += float(m.group(2))
     return total
+
+
+def assert_disconnect_returns_kv(base: str) -> None:
+    """A streaming client that goes away mid-stream aborts its request, and every KV slot
+    of worker-0 is free or cached afterwards (the endpoint also asserts conservation)."""
+    before = httpx.get(f"{base}/metrics").text
+    with httpx.stream("POST", f"{base}/v1/completions", json={
+            "prompt": "the cat", "max_tokens": 900, "ignore_eos": True, "stream": True},
+            timeout=60) as s:
+        lines = s.iter_lines()
+        got = [next(lines) for _ in range(4)]
+    assert any(line.startswith("data: ") for line in got)
+    kv = None
+    for _ in range(100):  # the abort reaches the worker asynchronously
+        kv = httpx.get(f"{base}/debug/kv_conservation", timeout=60).json()["worker-0"]
+        if kv["running"] == 0 and kv["waiting"] == 0:
+            break
+        time.sleep(0.1)
+    assert kv["running"] == 0 and kv["waiting"] == 0
+    assert kv["free"] + kv["cached"] == kv["pool"]
+    after = httpx.get(f"{base}/metrics").text
+    assert metric(after, "radixray:num_aborted_reqs_total") - metric(
+        before, "radixray:num_aborted_reqs_total") == 1

@@ -1,4 +1,5 @@
-"""`radixray serve` as users run it: SIGTERM drains; `ray job submit` against a local head."""
+"""`radixray serve` as users run it (direct ingress: HTTP straight into the ingress replica):
+the APIs, a disconnect returning its KV, SIGTERM draining; `ray job submit` against a local head."""
 
 import json
 import os
@@ -9,10 +10,31 @@ import threading
 import time
 
 import httpx
-from serving_helpers import RAY_ENV, free_port, metric, wait_ready
+from serving_helpers import RAY_ENV, assert_disconnect_returns_kv, free_port, metric, wait_ready
 
 ENV = {**os.environ, **RAY_ENV}
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+
+
+def _check_direct_ingress_serving(base: str) -> None:
+    """What the proxied app does (test_serving_api.py), on the CLI's direct-ingress path:
+    the openai client streams, bad input is a 400 naming the field, a repeated prompt is
+    cached, a disconnect aborts its request and returns its KV."""
+    from openai import BadRequestError, OpenAI
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    chat = [{"role": "user", "content": "the cat sat on the mat"}]
+    stream = client.chat.completions.create(model="tiny", messages=chat, max_tokens=8,
+                                            temperature=0, stream=True)
+    assert len([c for c in stream if c.choices and c.choices[0].delta.content]) >= 1
+    again = client.chat.completions.create(model="tiny", messages=chat, max_tokens=8,
+                                           temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    try:
+        client.chat.completions.create(model="tiny", messages=chat, max_tokens=-1)
+        raise AssertionError("negative max_tokens was accepted")
+    except BadRequestError as exc:
+        assert exc.status_code == 400 and "max_tokens" in str(exc)
+    assert_disconnect_returns_kv(base)
 
 
 def test_sigterm_drains_in_flight_request_then_exits_zero(tiny_llama_dir, tmp_path):
@@ -25,6 +47,7 @@ def test_sigterm_drains_in_flight_request_then_exits_zero(tiny_llama_dir, tmp_pa
          "--served-model-name", "tiny"], stdout=log, stderr=subprocess.STDOUT, env=ENV)
     try:
         wait_ready(base)
+        _check_direct_ingress_serving(base)
         result = {}
 
         def long_request():

@@ -5,7 +5,14 @@ import json
 
 import httpx
 import pytest
-from serving_helpers import free_port, metric, serve_app, start_local_ray, tiny_config
+from serving_helpers import (
+    assert_disconnect_returns_kv,
+    free_port,
+    metric,
+    serve_app,
+    start_local_ray,
+    tiny_config,
+)
 
 CHAT = [{"role": "system", "content": "You are terse."},
         {"role": "user", "content": "the cat sat on the mat"}]
@@ -217,21 +224,4 @@ def test_bad_completion_and_generate_input(server, path, body, needle):
 
 
 def test_client_disconnect_aborts_and_returns_kv(server):
-    before = httpx.get(f"{server}/metrics").text
-    with httpx.stream("POST", f"{server}/v1/completions", json={
-            "prompt": "the cat", "max_tokens": 900, "ignore_eos": True, "stream": True},
-            timeout=60) as s:
-        lines = s.iter_lines()
-        got = [next(lines) for _ in range(4)]
-    assert any(line.startswith("data: ") for line in got)
-    kv = None
-    for _ in range(100):  # the abort reaches the worker asynchronously
-        kv = httpx.get(f"{server}/debug/kv_conservation", timeout=60).json()["worker-0"]
-        if kv["running"] == 0 and kv["waiting"] == 0:
-            break
-        asyncio.run(asyncio.sleep(0.1))
-    assert kv["running"] == 0 and kv["waiting"] == 0
-    assert kv["free"] + kv["cached"] == kv["pool"]  # every slot is back (the check also asserts)
-    after = httpx.get(f"{server}/metrics").text
-    assert metric(after, "radixray:num_aborted_reqs_total") - metric(
-        before, "radixray:num_aborted_reqs_total") == 1
+    assert_disconnect_returns_kv(server)
