@@ -28,6 +28,12 @@ logger = logging.getLogger("radixray.serve")
 
 IngressMode = Literal["auto", "direct", "proxy"]
 
+# Seconds Serve's controller waits for a starting proxy to answer its readiness check (Ray's
+# default is 5; three misses in a row and the proxy is killed, which makes serve.start fail).
+# On a 2-vCPU host still loading another server the proxy, a Ray worker at niceness 15, can
+# need longer than that.
+LOCAL_PROXY_READY_TIMEOUT_S = 30.0
+
 # Seconds a direct-ingress replica stays open after it is told to stop, so an external
 # load balancer can take it out first. The CLI drains in-flight requests itself before
 # shutting Serve down and has no balancer in front, so it keeps the wait short.
@@ -81,7 +87,8 @@ def plan_ingress(mode: IngressMode, port: int, ingress_replicas: int, host: str)
 
 def prepare_local_ray(plan: IngressPlan) -> None:
     """Put ``plan.env`` into this process's environment, which the Ray instance that
-    ``ray.init`` starts next (and every Serve actor in it) inherits.
+    ``ray.init`` starts next (and every Serve actor in it) inherits, with a proxy readiness
+    timeout that tolerates a busy host (unless the environment already sets one).
 
     Raises RuntimeError when direct ingress is asked for but ``ray.serve`` was
     already imported here without it: the driver would then disagree with its actors.
@@ -92,6 +99,7 @@ def prepare_local_ray(plan: IngressPlan) -> None:
             raise RuntimeError("direct ingress must be chosen before ray.serve is imported; "
                                "set server.ingress: proxy or import ray.serve later")
     os.environ.update(plan.env)
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", str(LOCAL_PROXY_READY_TIMEOUT_S))
 
 
 def _free_port(host: str) -> int:

@@ -135,7 +135,7 @@ def cmd_serve(args) -> int:
         signal.signal(sig, lambda signum, _: (logger.warning(
             "%s received: draining requests and shutting down...", signal.Signals(signum).name),
             stop.set()))
-    serve.start(http_options={"host": server.host, "port": plan.proxy_port})
+    start_serve(serve, server.host, plan.proxy_port)
     serve.run(build_app(cfg), name=cfg.app_name, route_prefix=server.route_prefix,
               blocking=False)
     bases = [f"http://{server.host}:{port}" for port in plan.ports]
@@ -144,6 +144,23 @@ def cmd_serve(args) -> int:
     print_ready(bases, server.served_model_name, plan.mode)
     stop.wait()
     return drain_and_exit(cfg, stop, args.drain_timeout)
+
+
+def start_serve(serve, host: str, port: int, attempts: int = 3) -> None:
+    """``serve.start``, again if its proxy actor was replaced while starting: Serve's
+    controller kills a proxy that misses its readiness checks (a busy host) and starts
+    another, but the first call has already failed with ActorDiedError."""
+    import ray
+    for attempt in range(1, attempts + 1):
+        try:
+            serve.start(http_options={"host": host, "port": port})
+            return
+        except ray.exceptions.ActorDiedError as exc:
+            if attempt == attempts:
+                raise
+            logger.warning("Serve's proxy was restarted while starting (%s); waiting for the "
+                           "new one (attempt %d of %d)", str(exc).splitlines()[0], attempt + 1,
+                           attempts)
 
 
 def wait_ready(base: str, stop: threading.Event, timeout: float = 1800) -> bool:

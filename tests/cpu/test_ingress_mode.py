@@ -48,3 +48,49 @@ def test_serve_reads_the_plan_when_it_is_imported():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120, check=True).stdout.split()
     assert out == ["True", "8100", "8101", "1.0"]
+
+
+def test_prepare_local_ray_sets_a_tolerant_proxy_readiness(monkeypatch):
+    from radixray.cluster.ingress_mode import LOCAL_PROXY_READY_TIMEOUT_S, prepare_local_ray
+    env = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "7"}
+    monkeypatch.setattr(os, "environ", env)  # nothing leaks into this test process's Ray
+    plan = plan_ingress("proxy", 8200, 1, "127.0.0.1")
+    prepare_local_ray(plan)
+    assert env == {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "7"}  # the user's own value stays
+    del env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"]
+    prepare_local_ray(plan)
+    assert float(env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"]) == LOCAL_PROXY_READY_TIMEOUT_S
+
+
+def test_direct_ingress_is_refused_once_serve_was_imported_without_it(monkeypatch):
+    import ray.serve  # noqa: F401 - imported here without the direct-ingress variables
+
+    from radixray.cluster.ingress_mode import prepare_local_ray
+    env: dict = {}
+    monkeypatch.setattr(os, "environ", env)
+    with pytest.raises(RuntimeError, match="before ray.serve is imported"):
+        prepare_local_ray(plan_ingress("direct", 8200, 1, "127.0.0.1"))
+    assert env == {}
+
+
+def test_serve_start_is_retried_when_its_proxy_was_replaced():
+    import ray
+
+    from radixray.cluster.serve_cli import start_serve
+
+    class FlakyServe:
+        calls = 0
+
+        def start(self, http_options):
+            self.calls += 1
+            if self.calls == 1:
+                raise ray.exceptions.ActorDiedError()
+            assert http_options == {"host": "127.0.0.1", "port": 8300}
+
+    serve = FlakyServe()
+    start_serve(serve, "127.0.0.1", 8300)
+    assert serve.calls == 2
+    always = FlakyServe()
+    always.start = lambda http_options: (_ for _ in ()).throw(ray.exceptions.ActorDiedError())
+    with pytest.raises(ray.exceptions.ActorDiedError):
+        start_serve(always, "127.0.0.1", 8300, attempts=2)
