@@ -13,6 +13,8 @@ MLP width 1,536):
   128 new tokens after a 2,048-token prefix, against SDPA with a causal mask;
 - the middle of an int8 gated MLP (rescale, SiLU-mul, quantize) fused against the
   three ops one after the other, at prefill (2,048 rows) and decode (``--batch``) sizes;
+- the residual add fused into the next RMS norm against torch's add then the C++ norm,
+  at prefill (2,048 rows) and decode (``--batch``) sizes;
 - the int8 GEMMs against ``torch._int_mm`` over one decode step's worth of int8
   weights (30 layers x qkv, o, gate|up, down: 106 MB, so they come from memory):
   the AVX2 small-M kernel at 1 and 4 rows and, on CPUs with AVX-512 VNNI, the
@@ -213,6 +215,22 @@ def _int8_gemm_rows(ext, vnni_rows: list[int], layers: int, calls: int, repeats:
     return rows
 
 
+def _add_norm_row(ext, m: int, calls: int, repeats: int) -> dict:
+    x, res, w = torch.randn(m, HIDDEN), torch.randn(m, HIDDEN), torch.randn(HIDDEN)
+
+    def fused():
+        return ext.add_rms_norm(x, res, w, 1e-5)
+
+    def add_then_norm():
+        h = res + x
+        return h, ext.rms_norm(h, w, 1e-5)
+
+    assert all(torch.equal(a, b) for a, b in zip(fused(), add_then_norm()))
+    fast, slow = _paired_medians(fused, add_then_norm, calls, repeats)
+    return {"kernel": "add + rms_norm", "shape": f"{m} x {HIDDEN}", "cpp_ms": fast,
+            "torch_ms": slow, "rate": "vs torch add, then the C++ norm"}
+
+
 def _lm_head_row(ext, m: int, calls: int, repeats: int) -> dict:
     from radixray.kernels.int8_linear import Int8Linear, int8_linear_ref
     w = torch.randn(VOCAB, HIDDEN) * 0.05
@@ -242,6 +260,7 @@ def run_cli(args: argparse.Namespace) -> int:
     rows += [_extend_row(ext, n, plen, max(1, args.calls // 4), args.repeats)
              for n, plen in ((args.prefill_len, 0), (128, 2048))]
     rows += [_mlp_row(ext, m, args.calls, args.repeats) for m in (2048, args.batch)]
+    rows += [_add_norm_row(ext, m, args.calls, args.repeats) for m in (2048, args.batch)]
     vnni_rows = [int(m) for m in args.vnni_rows.split(",")] if args.vnni_rows else [1, 8, args.batch, 256]
     rows += _int8_gemm_rows(ext, vnni_rows, args.layers, args.calls, args.repeats)
     rows.append(_lm_head_row(ext, args.batch, max(1, args.calls // 4), args.repeats))

@@ -146,6 +146,17 @@ class CpuKernels:
             return self.ext.rms_norm(x, w, eps)
         return rms_norm_ref(x, w, eps)
 
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h, rms_norm(h))`` for ``h = residual + x``: the residual stream's add and the next
+        norm in one pass (the same values as the two separate ops)."""
+        if self.ext is not None and x.dtype == torch.float32 and not x.is_cuda \
+                and x.shape == residual.shape:
+            h, y = self.ext.add_rms_norm(x, residual, w, eps)
+            return h, y
+        h = residual + x
+        return h, self.rms_norm(h, w, eps)
+
     def rotary(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> torch.Tensor:
         if self.ext is not None and x.dtype == torch.float32 and not x.is_cuda \

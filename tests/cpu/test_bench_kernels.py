@@ -22,7 +22,8 @@ def test_bench_kernels_reports_each_kernel(tmp_path, capsys):
     isa = (["decode AVX-512"] * 2 if ext.decode_avx512_supported() else []) + \
         (["extend AMX-BF16"] * 2 if ext.amx_bf16_supported() else [])
     assert [r["kernel"] for r in rows] == ["decode attention"] * 3 + ["extend attention"] * 2 + \
-        ["int8 MLP middle"] * 2 + ["int8 GEMM AVX2"] * 2 + vnni + amx + ["lm_head int8"] + isa
+        ["int8 MLP middle"] * 2 + ["add + rms_norm"] * 2 + ["int8 GEMM AVX2"] * 2 + vnni + amx + \
+        ["lm_head int8"] + isa
     assert all(r["cpp_ms"] > 0 and r["torch_ms"] > 0 and r["speedup"] > 0 for r in rows)
     assert "speedup" in capsys.readouterr().out
 

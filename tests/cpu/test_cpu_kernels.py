@@ -34,6 +34,21 @@ def test_rms_norm(shape):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(1, 576), (7, 64), (130, 96), (3, 4, 32)])
+def test_add_rms_norm_equals_the_add_then_the_norm(shape):
+    x, res, w = torch.randn(shape) * 3, torch.randn(shape) * 5, torch.randn(shape[-1])
+    h, y = ext.add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(h, res + x)  # the residual stream keeps torch's exact sums
+    assert torch.equal(y, ext.rms_norm(res + x, w, 1e-5))
+    torch.testing.assert_close(y, cpu_ops.rms_norm_ref(res + x, w, 1e-5), rtol=1e-5, atol=1e-5)
+    kernels = cpu_ops.CpuKernels(enabled=False)  # the torch fallback gives the same pair
+    h_ref, y_ref = kernels.add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(h_ref, h)
+    torch.testing.assert_close(y_ref, y, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="shapes differ"):
+        ext.add_rms_norm(x, res[..., :-1], w, 1e-5)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_silu_mul(rows):
     g = torch.randn(rows, 2 * 160) * 4

@@ -20,6 +20,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.rms_norm(x, self.weight, self.eps)
 
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(residual + x, norm(residual + x))`` in one pass."""
+        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
+
 
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (rotate-half layout) with a precomputed cos/sin table.

@@ -73,9 +73,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.mlp = LlamaMLP(config, kernels)
 
-    def forward(self, positions, x, batch):
-        h = x + self.self_attn(positions, self.input_layernorm(x), batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, positions, x, batch, residual=None):
+        """The residual stream kept apart: returns ``(mlp output, residual)``, whose sum is the
+        layer's output; the next layer's input norm adds them in the same pass (first layer:
+        ``residual`` None, ``x`` the embeddings)."""
+        if residual is None:
+            residual, normed = x, self.input_layernorm(x)
+        else:
+            residual, normed = self.input_layernorm.add_norm(x, residual)
+        attn = self.self_attn(positions, normed, batch)
+        residual, normed = self.post_attention_layernorm.add_norm(attn, residual)
+        return self.mlp(normed), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -113,11 +121,13 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(batch.input_ids)
+        x, residual = self.embed_tokens(batch.input_ids), None
         for layer in self.layers:
-            x = layer(batch.positions, x, batch)
-        last = x if batch.mode is ForwardMode.DECODE else x[batch.last_token_rows()]
-        h = self.norm(last)
+            x, residual = layer(batch.positions, x, batch, residual)
+        if batch.mode is not ForwardMode.DECODE:
+            rows = batch.last_token_rows()
+            x, residual = x[rows], residual[rows]
+        _, h = self.norm.add_norm(x, residual)
         if self.lm_head_int8 is not None:
             return self.lm_head_int8(h).float()
         return self.kernels.linear(h, self.lm_head_weight).float()

@@ -157,6 +157,39 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return y;
 }
 
+// h = residual + x and y = rms_norm(h) * w in one pass over each row (the decoder's residual
+// stream: one read of both inputs instead of an add, then a norm reading h back). h holds the
+// same bits as torch's residual + x, y the same as rms_norm(h).
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+  check_f32(x, "x");
+  check_f32(residual, "residual");
+  check_f32(w, "w");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "add_rms_norm: x and residual shapes differ");
+  x = x.contiguous();
+  residual = residual.contiguous();
+  const int64_t D = x.size(-1), R = x.numel() / D;
+  TORCH_CHECK(w.numel() == D, "add_rms_norm: weight size mismatch");
+  auto h = torch::empty_like(x);
+  auto y = torch::empty_like(x);
+  const float* X = x.data_ptr<float>();
+  const float* Res = residual.data_ptr<float>();
+  const float* Wt = w.contiguous().data_ptr<float>();
+  float* H = h.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+#pragma omp parallel for schedule(static) if (R > 64)
+  for (int64_t r = 0; r < R; ++r) {
+    const float* xr = X + r * D;
+    const float* rr = Res + r * D;
+    float* hr = H + r * D;
+    for (int64_t k = 0; k < D; ++k) hr[k] = rr[k] + xr[k];
+    float ss = dot(hr, hr, D);
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
+    float* yr = Y + r * D;
+    for (int64_t k = 0; k < D; ++k) yr[k] = Wt[k] * (hr[k] * inv);
+  }
+  return {h, y};
+}
+
 // silu(a) * b where gate_up = [a | b] along the last dim.
 torch::Tensor silu_mul(torch::Tensor gate_up) {
   check_f32(gate_up, "gate_up");
@@ -214,6 +247,7 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor positions, torch::Tensor cos
 TORCH_LIBRARY(radixray, m) {
   m.def("linear_small_m(Tensor x, Tensor w) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> Tensor[]");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rotary(Tensor x, Tensor positions, Tensor cos, Tensor sin) -> Tensor");
 }
@@ -221,6 +255,7 @@ TORCH_LIBRARY(radixray, m) {
 TORCH_LIBRARY_IMPL(radixray, CPU, m) {
   m.impl("linear_small_m", &linear_small_m);
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("rotary", &rotary);
 }
