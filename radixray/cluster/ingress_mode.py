@@ -17,14 +17,11 @@ says (for KubeRay, the RayService pod env; see the README).
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import sys
 from dataclasses import dataclass
 from typing import Literal
-
-logger = logging.getLogger("radixray.serve")
 
 IngressMode = Literal["auto", "direct", "proxy"]
 

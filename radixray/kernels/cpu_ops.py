@@ -150,8 +150,7 @@ class CpuKernels:
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``(h, rms_norm(h))`` for ``h = residual + x``: the residual stream's add and the next
         norm in one pass (the same values as the two separate ops)."""
-        if self.ext is not None and x.dtype == torch.float32 and not x.is_cuda \
-                and x.shape == residual.shape:
+        if self.ext is not None and x.dtype == torch.float32 and not x.is_cuda:
             h, y = self.ext.add_rms_norm(x, residual, w, eps)
             return h, y
         h = residual + x

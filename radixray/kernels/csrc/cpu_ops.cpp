@@ -135,6 +135,12 @@ torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor w) {
   return y;
 }
 
+// y = w * x / sqrt(mean(x^2) + eps) for one row of D values.
+inline void norm_row(const float* x, const float* w, float* y, int64_t D, double eps) {
+  const float inv = 1.0f / std::sqrt(dot(x, x, D) / static_cast<float>(D) + static_cast<float>(eps));
+  for (int64_t k = 0; k < D; ++k) y[k] = w[k] * (x[k] * inv);
+}
+
 // RMSNorm over the last dim, in fp32: w * x / sqrt(mean(x^2) + eps).
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   check_f32(x, "x");
@@ -147,13 +153,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   const float* Wt = w.contiguous().data_ptr<float>();
   float* Y = y.data_ptr<float>();
 #pragma omp parallel for schedule(static) if (R > 64)
-  for (int64_t r = 0; r < R; ++r) {
-    const float* xr = X + r * D;
-    float ss = dot(xr, xr, D);
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
-    float* yr = Y + r * D;
-    for (int64_t k = 0; k < D; ++k) yr[k] = Wt[k] * (xr[k] * inv);
-  }
+  for (int64_t r = 0; r < R; ++r) norm_row(X + r * D, Wt, Y + r * D, D, eps);
   return y;
 }
 
@@ -182,10 +182,7 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
     const float* rr = Res + r * D;
     float* hr = H + r * D;
     for (int64_t k = 0; k < D; ++k) hr[k] = rr[k] + xr[k];
-    float ss = dot(hr, hr, D);
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
-    float* yr = Y + r * D;
-    for (int64_t k = 0; k < D; ++k) yr[k] = Wt[k] * (hr[k] * inv);
+    norm_row(hr, Wt, Y + r * D, D, eps);
   }
   return {h, y};
 }
