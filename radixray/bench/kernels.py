@@ -215,6 +215,31 @@ def _int8_gemm_rows(ext, vnni_rows: list[int], layers: int, calls: int, repeats:
     return rows
 
 
+def _gated_codes_row(ext, m: int, layers: int, calls: int, repeats: int) -> dict:
+    """The gate|up projection and the MLP middle on AMX tiles in one kernel (int8_vnni_gated_codes)
+    against the same three steps as separate C++ ops, over ``layers`` weights."""
+    from radixray.kernels.int8_linear import Int8Linear
+    gate_ups = [Int8Linear(torch.randn(2 * INTER, HIDDEN) * 0.05, None) for _ in range(layers)]
+    x = torch.randn(m, HIDDEN)
+
+    def fused():
+        return [ext.int8_vnni_gated_codes(x, g.w_vnni, g.w_vnni_comp, g.w_scale, None, 2 * INTER) for g in gate_ups]
+
+    def three_ops():
+        out = []
+        for g in gate_ups:
+            x_q, x_scale = ext.quantize_rows_int8(x)
+            acc = ext.int8_vnni_gemm(x_q, g.w_vnni, g.w_vnni_comp, 2 * INTER)
+            out.append(ext.rescale_silu_mul_quantize(acc, x_scale, g.w_scale, None))
+        return out
+
+    assert all(torch.equal(a, b) for pair in zip(fused(), three_ops()) for a, b in zip(*pair))
+    fast, slow = _paired_medians(fused, three_ops, calls, repeats)
+    gops = 2 * m * HIDDEN * 2 * INTER * layers / 1e9
+    return {"kernel": "int8 gate_up fused", "shape": f"{m} rows x {layers} weights", "cpp_ms": fast,
+            "torch_ms": slow, "rate": f"{gops / fast * 1e3:.0f} GOP/s, vs 3 C++ ops"}
+
+
 def _add_norm_row(ext, m: int, calls: int, repeats: int) -> dict:
     x, res, w = torch.randn(m, HIDDEN), torch.randn(m, HIDDEN), torch.randn(HIDDEN)
 
@@ -267,6 +292,9 @@ def run_cli(args: argparse.Namespace) -> int:
     if ext.decode_avx512_supported():
         rows += [_decode_isa_row(ext, dtype, args.batch, args.context_len, args.calls, args.repeats)
                  for dtype in (torch.bfloat16, torch.float8_e5m2)]
+    if ext.int8_amx_supported():
+        rows += [_gated_codes_row(ext, m, args.layers, max(1, args.calls // 10), args.repeats)
+                 for m in (2048, args.prefill_len)]
     if ext.amx_bf16_supported():
         rows += [_extend_amx_row(ext, n, plen, max(1, args.calls // 4), args.repeats)
                  for n, plen in ((args.prefill_len, 0), (128, 2048))]

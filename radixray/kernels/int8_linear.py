@@ -176,13 +176,19 @@ def int8_gated_mlp(x: torch.Tensor, gate_up: Int8Linear, down: Int8Linear) -> to
 
     Between the two GEMMs one C++ pass per row rescales the gate|up accumulator,
     applies silu-mul and quantizes the result for ``down``, so the [M, 2I] fp32
-    activation is never written out. The codes equal those of ``gate_up(x)``,
+    activation is never written out; with packed weights on AMX and a few blocks of
+    32 rows per thread, that pass runs in the GEMM's epilogue and the int32
+    accumulator is not written out either (csrc/int8_gated_amx.h). The codes equal those of ``gate_up(x)``,
     ``silu_mul``, then ``down``'s own quantization (tests/cpu/test_int8_linear.py).
     """
     ext = gate_up.ext
-    x_q, x_scale = ext.quantize_rows_int8(x)
-    h_q, h_scale = ext.rescale_silu_mul_quantize(gate_up.accumulate(x_q), x_scale, gate_up.w_scale,
-                                                 gate_up.bias)
+    if gate_up._vnni_for(x.shape[0]):  # all of it in one call (on AMX tiles: the accumulator stays in them)
+        h_q, h_scale = ext.int8_vnni_gated_codes(x, gate_up.w_vnni, gate_up.w_vnni_comp, gate_up.w_scale,
+                                                 gate_up.bias, gate_up.out_features)
+    else:
+        x_q, x_scale = ext.quantize_rows_int8(x)
+        h_q, h_scale = ext.rescale_silu_mul_quantize(gate_up.accumulate(x_q), x_scale, gate_up.w_scale,
+                                                     gate_up.bias)
     return down.from_codes(h_q, h_scale)
 
 

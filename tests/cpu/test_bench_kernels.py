@@ -20,6 +20,7 @@ def test_bench_kernels_reports_each_kernel(tmp_path, capsys):
     vnni = ["int8 GEMM VNNI"] * 4 if vnni_available(ext) else []  # 1, 8, 3, 256 rows
     amx = ["int8 GEMM AMX"] * 4 if amx_available(ext) else []
     isa = (["decode AVX-512"] * 2 if ext.decode_avx512_supported() else []) + \
+        (["int8 gate_up fused"] * 2 if ext.int8_amx_supported() else []) + \
         (["extend AMX-BF16"] * 2 if ext.amx_bf16_supported() else [])
     assert [r["kernel"] for r in rows] == ["decode attention"] * 3 + ["extend attention"] * 2 + \
         ["int8 MLP middle"] * 2 + ["add + rms_norm"] * 2 + ["int8 GEMM AVX2"] * 2 + vnni + amx + \

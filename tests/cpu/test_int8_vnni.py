@@ -110,12 +110,44 @@ def test_vnni_linear_equals_the_separate_ops(m, k, n, bias, packed_kernel):
 
 
 @needs_vnni
+@pytest.mark.parametrize("m", [1, 37, 128, 300, 520])
+@pytest.mark.parametrize("k,inter,bias", [(576, 1536, False), (128, 48, True), (70, 48, False), (64, 21, True)])
+def test_gated_codes_equal_the_three_steps(m, k, inter, bias, packed_kernel):
+    """int8_vnni_gated_codes gives the codes and scales of quantize -> packed GEMM ->
+    rescale_silu_mul_quantize. With AMX, 128 rows and up (several 32-row blocks per thread
+    on up to 8 threads at 520) take the fused tile kernel, fewer rows, K not a multiple of 64
+    (70) or a half width not a multiple of 16 (21) the three steps."""
+    torch.manual_seed(m + k + inter)
+    x = torch.randn(m, k) * 3
+    x[0] = 0.0  # an all-zero row: the smallest scale
+    w = torch.randn(2 * inter, k) * 0.1
+    layer = Int8Linear(w, torch.randn(2 * inter) if bias else None)
+    x_q, x_scale = EXT.quantize_rows_int8(x)
+    acc = EXT.int8_vnni_gemm(x_q, layer.w_vnni, layer.w_vnni_comp, 2 * inter)
+    want_q, want_s = EXT.rescale_silu_mul_quantize(acc, x_scale, layer.w_scale, layer.bias)
+    got_q, got_s = EXT.int8_vnni_gated_codes(x, layer.w_vnni, layer.w_vnni_comp, layer.w_scale, layer.bias, 2 * inter)
+    assert torch.equal(got_q, want_q) and torch.equal(got_s, want_s)
+
+
+@needs_vnni
+def test_gated_codes_name_what_is_wrong():
+    layer = Int8Linear(torch.randn(96, 64), None)
+    with pytest.raises(RuntimeError, match="x must be 2-D float32"):
+        EXT.int8_vnni_gated_codes(torch.zeros(4, 64, dtype=torch.int8), layer.w_vnni, layer.w_vnni_comp,
+                                  layer.w_scale, None, 96)
+    with pytest.raises(RuntimeError, match="must be even"):
+        EXT.int8_vnni_gated_codes(torch.zeros(4, 64), layer.w_vnni, layer.w_vnni_comp, layer.w_scale, None, 95)
+    with pytest.raises(RuntimeError, match="w_scale must be float32"):
+        EXT.int8_vnni_gated_codes(torch.zeros(4, 64), layer.w_vnni, layer.w_vnni_comp, layer.w_scale[:10], None, 96)
+
+
+@needs_vnni
 def test_vnni_linear_names_what_is_wrong():
     packed, comp = EXT.int8_vnni_pack(_codes((16, 32), 1))
     w_scale = torch.ones(16)
     with pytest.raises(RuntimeError, match="x_scale goes with int8 x"):
         EXT.int8_vnni_linear(torch.randn(2, 32), torch.ones(2), packed, comp, w_scale, None, 16)
-    with pytest.raises(RuntimeError, match="w_scale size"):
+    with pytest.raises(RuntimeError, match="w_scale must be float32"):
         EXT.int8_vnni_linear(torch.randn(2, 32), None, packed, comp, torch.ones(15), None, 16)
     with pytest.raises(RuntimeError, match="bias must be float32"):
         EXT.int8_vnni_linear(torch.randn(2, 32), None, packed, comp, w_scale, torch.ones(16).double(), 16)

@@ -31,25 +31,24 @@ constexpr int64_t kRows = 32;     // rows per block (two A tiles)
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-int8,avx512f")
 
-// C[32 x 16 * NB] = A (32 rows of Kp unsigned bytes, stride lda) x NB packed blocks from w
-// (stride Kp * 16 bytes), into acc (int32, row stride 32).
+// C[32 x 16 * NB] = A (32 rows of Kp unsigned bytes, stride lda) x packed blocks w0 (and w1
+// when NB == 2), into acc (int32, row stride 32: w0's 16 columns, then w1's).
 template <int NB>
-inline void amx_block(const uint8_t* a, int64_t lda, const int8_t* w, int64_t Kp, int32_t* acc) {
+inline void amx_block(const uint8_t* a, int64_t lda, const int8_t* w0, const int8_t* w1, int64_t Kp, int32_t* acc) {
   _tile_zero(0);
   _tile_zero(1);
   if (NB == 2) {
     _tile_zero(2);
     _tile_zero(3);
   }
-  const int64_t block = Kp * kCols;
   for (int64_t k = 0; k < Kp; k += kK) {
     _tile_loadd(4, a + k, lda);
     _tile_loadd(5, a + 16 * lda + k, lda);
-    _tile_loadd(6, w + k * kCols, 64);
+    _tile_loadd(6, w0 + k * kCols, 64);
     _tile_dpbusd(0, 4, 6);
     _tile_dpbusd(1, 5, 6);
     if (NB == 2) {
-      _tile_loadd(7, w + block + k * kCols, 64);
+      _tile_loadd(7, w1 + k * kCols, 64);
       _tile_dpbusd(2, 4, 7);
       _tile_dpbusd(3, 5, 7);
     }
@@ -90,8 +89,8 @@ void amx_gemm(const uint8_t* xu, int64_t M, int64_t Kp, const int8_t* wp, const 
         const int64_t nb = 2 * g, n0 = nb * kCols;
         const int8_t* w = wp + nb * Kp * kCols;
         const bool pair = nb + 1 < blocks;
-        if (pair) amx_block<2>(a, Kp, w, Kp, acc);
-        else amx_block<1>(a, Kp, w, Kp, acc);
+        if (pair) amx_block<2>(a, Kp, w, w + Kp * kCols, Kp, acc);
+        else amx_block<1>(a, Kp, w, nullptr, Kp, acc);
         const int64_t width = std::min<int64_t>(pair ? 32 : 16, N - n0);
         const __m512i c0 = _mm512_loadu_si512(comp + n0);
         const __m512i c1 = pair ? _mm512_loadu_si512(comp + n0 + 16) : _mm512_setzero_si512();

@@ -132,17 +132,7 @@ std::vector<torch::Tensor> rescale_silu_mul_quantize(torch::Tensor acc, torch::T
   const float* B = has_bias ? b.data_ptr<float>() : nullptr;
   int8_t* Q = q.data_ptr<int8_t>();
   float* S = s.data_ptr<float>();
-#pragma omp parallel if (M * N > 65536)
-  {
-    std::vector<float> row(static_cast<size_t>(N));
-#pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; ++m) {
-      float* g = row.data();
-      rescale_row(A + m * N, XS[m], WS, B, g, N);
-      radixray_simd::silu_mul_row(g, g + I, g, I);
-      quantize_row(g, Q + m * I, S + m, I);
-    }
-  }
+  radixray_int8::rescale_silu_mul_quantize_rows(A, M, I, XS, WS, B, Q, S);
   return {q, s};
 }
 

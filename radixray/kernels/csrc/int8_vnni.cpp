@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "int8_amx.h"
+#include "int8_gated_amx.h"
 #include "int8_rows.h"
 
 namespace {
@@ -187,12 +188,50 @@ int64_t check_packed(const torch::Tensor& packed, const torch::Tensor& comp, int
   return Kp;
 }
 
-// int8 codes -> unsigned bytes (flip the sign bit = add 128), rows padded to Kp with code 0.
-std::vector<uint8_t> to_unsigned(const int8_t* X, int64_t M, int64_t K, int64_t Kp) {
-  std::vector<uint8_t> xu(static_cast<size_t>(M * Kp), 0x80);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xu[m * Kp + k] = static_cast<uint8_t>(X[m * K + k]) ^ 0x80;
-  return xu;
+// The rescale's per-column operands, checked: w_scale [N] fp32, bias [N] fp32 or none.
+struct Rescale {
+  torch::Tensor ws, bias;
+  const float* bias_ptr() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
+};
+
+Rescale check_rescale(const torch::Tensor& w_scale, const c10::optional<torch::Tensor>& bias, int64_t N,
+                      const char* op) {
+  TORCH_CHECK(w_scale.scalar_type() == torch::kFloat32 && w_scale.numel() == N, op, ": w_scale must be float32 [N]");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->scalar_type() == torch::kFloat32 && bias->numel() == N),
+              op, ": bias must be float32 [N]");
+  return {w_scale.contiguous(), has_bias ? bias->contiguous() : torch::Tensor()};
+}
+
+// The GEMMs' operand: rows of Kp unsigned bytes (code + 128; code 0 in the padding), with
+// the rows' scales. From int8 codes (x_scale given) the sign bits are flipped; from fp32
+// rows (x_scale undefined) each row is quantized as quantize_rows_int8 straight into that
+// form. Rows in parallel.
+struct Operand {
+  std::vector<uint8_t> bytes;
+  torch::Tensor scale;  // [M] fp32
+};
+
+Operand make_operand(const torch::Tensor& x, const torch::Tensor& x_scale, int64_t Kp) {
+  const int64_t M = x.size(0), K = x.size(1);
+  Operand op{std::vector<uint8_t>(static_cast<size_t>(M * Kp)), x_scale};
+  uint8_t* U = op.bytes.data();
+  const bool codes = x.scalar_type() == torch::kInt8;
+  if (!codes) op.scale = torch::empty({M}, x.options());
+  const int8_t* Xq = codes ? x.data_ptr<int8_t>() : nullptr;
+  const float* Xf = codes ? nullptr : x.data_ptr<float>();
+  float* S = codes ? nullptr : op.scale.data_ptr<float>();
+#pragma omp parallel for schedule(static) if (M * K > 65536)
+  for (int64_t m = 0; m < M; ++m) {
+    uint8_t* u = U + m * Kp;
+    if (codes) {
+      for (int64_t k = 0; k < K; ++k) u[k] = static_cast<uint8_t>(Xq[m * K + k]) ^ 0x80;
+    } else {
+      radixray_int8::quantize_row(Xf + m * K, reinterpret_cast<int8_t*>(u), S + m, K, 0x80);
+    }
+    std::memset(u + K, 0x80, static_cast<size_t>(Kp - K));
+  }
+  return op;
 }
 
 }  // namespace
@@ -206,8 +245,8 @@ torch::Tensor int8_vnni_gemm(torch::Tensor x, torch::Tensor packed, torch::Tenso
   x = x.contiguous();
   auto y = torch::empty({M, N}, x.options().dtype(torch::kInt32));
   if (M == 0) return y;
-  const std::vector<uint8_t> xu = to_unsigned(x.data_ptr<int8_t>(), M, K, Kp);
-  vnni_gemm(xu.data(), M, Kp, packed.data_ptr<int8_t>(), comp.data_ptr<int32_t>(),
+  const Operand xu = make_operand(x, torch::Tensor(), Kp);
+  vnni_gemm(xu.bytes.data(), M, Kp, packed.data_ptr<int8_t>(), comp.data_ptr<int32_t>(),
             Int32Out{y.data_ptr<int32_t>(), N}, N);
   return y;
 }
@@ -225,33 +264,51 @@ torch::Tensor int8_vnni_linear(torch::Tensor x, c10::optional<torch::Tensor> x_s
   TORCH_CHECK(codes == has_scale, "int8_vnni_linear: x_scale goes with int8 x (and only with it)");
   const int64_t M = x.size(0), K = x.size(1);
   const int64_t Kp = check_packed(packed, comp, K, N, "int8_vnni_linear");
-  TORCH_CHECK(w_scale.scalar_type() == torch::kFloat32 && w_scale.numel() == N, "int8_vnni_linear: w_scale size");
-  const bool has_bias = bias.has_value() && bias->defined();
-  TORCH_CHECK(!has_bias || (bias->scalar_type() == torch::kFloat32 && bias->numel() == N),
-              "int8_vnni_linear: bias must be float32 [N]");
+  const Rescale rs = check_rescale(w_scale, bias, N, "int8_vnni_linear");
   x = x.contiguous();
   auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
   if (M == 0) return y;
-  torch::Tensor q = x, s;
+  torch::Tensor s;
   if (codes) {
     s = x_scale->contiguous();
     TORCH_CHECK(s.scalar_type() == torch::kFloat32 && s.numel() == M, "int8_vnni_linear: x_scale size");
-  } else {
-    q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
-    s = torch::empty({M}, x.options());
-    const float* X = x.data_ptr<float>();
-    int8_t* Q = q.data_ptr<int8_t>();
-    float* S = s.data_ptr<float>();
-#pragma omp parallel for schedule(static) if (M * K > 65536)
-    for (int64_t m = 0; m < M; ++m) radixray_int8::quantize_row(X + m * K, Q + m * K, S + m, K);
   }
-  const std::vector<uint8_t> xu = to_unsigned(q.data_ptr<int8_t>(), M, K, Kp);
-  torch::Tensor ws = w_scale.contiguous();
-  torch::Tensor b = has_bias ? bias->contiguous() : torch::Tensor();
-  const RescaledOut out{y.data_ptr<float>(), N, s.data_ptr<float>(), ws.data_ptr<float>(),
-                        has_bias ? b.data_ptr<float>() : nullptr};
-  vnni_gemm(xu.data(), M, Kp, packed.data_ptr<int8_t>(), comp.data_ptr<int32_t>(), out, N);
+  const Operand xu = make_operand(x, s, Kp);
+  const RescaledOut out{y.data_ptr<float>(), N, xu.scale.data_ptr<float>(), rs.ws.data_ptr<float>(), rs.bias_ptr()};
+  vnni_gemm(xu.bytes.data(), M, Kp, packed.data_ptr<int8_t>(), comp.data_ptr<int32_t>(), out, N);
   return y;
+}
+
+// The first half of a gated int8 MLP: x [M, K] fp32, (packed, comp, w_scale, bias) the
+// gate|up layer ([N = 2I, K] weight) -> (q [M, I] int8, scale [M]), the same codes as
+// quantize_rows_int8 -> int8_vnni_gemm -> rescale_silu_mul_quantize. Fused on AMX tiles
+// where gated_amx_applies (int8_gated_amx.h); otherwise those three steps, here in one call.
+std::vector<torch::Tensor> int8_vnni_gated_codes(torch::Tensor x, torch::Tensor packed, torch::Tensor comp,
+                                                 torch::Tensor w_scale, c10::optional<torch::Tensor> bias,
+                                                 int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "int8_vnni_gated_codes: x must be 2-D float32");
+  TORCH_CHECK(N % 2 == 0, "int8_vnni_gated_codes: N (gate | up columns) must be even, got ", N);
+  const int64_t M = x.size(0), K = x.size(1), I = N / 2;
+  const int64_t Kp = check_packed(packed, comp, K, N, "int8_vnni_gated_codes");
+  const Rescale rs = check_rescale(w_scale, bias, N, "int8_vnni_gated_codes");
+  x = x.contiguous();
+  auto q = torch::empty({M, I}, x.options().dtype(torch::kInt8));
+  auto s = torch::empty({M}, x.options());
+  if (M == 0) return {q, s};
+  const float* ws = rs.ws.data_ptr<float>();
+  const float* b = rs.bias_ptr();
+  int8_t* Q = q.data_ptr<int8_t>();
+  float* S = s.data_ptr<float>();
+  if (M >= g_amx_min_rows && radixray_amx::gated_amx_applies(M, Kp, I)) {
+    radixray_amx::amx_gated_mlp(x.data_ptr<float>(), M, K, Kp, packed.data_ptr<int8_t>(), comp.data_ptr<int32_t>(),
+                                ws, b, I, Q, S);
+    return {q, s};
+  }
+  const Operand xu = make_operand(x, torch::Tensor(), Kp);
+  std::vector<int32_t> acc(static_cast<size_t>(M * N));
+  vnni_gemm(xu.bytes.data(), M, Kp, packed.data_ptr<int8_t>(), comp.data_ptr<int32_t>(), Int32Out{acc.data(), N}, N);
+  radixray_int8::rescale_silu_mul_quantize_rows(acc.data(), M, I, xu.scale.data_ptr<float>(), ws, b, Q, S);
+  return {q, s};
 }
 
 bool int8_amx_supported() { return radixray_amx::amx_int8_usable(); }
@@ -270,10 +327,12 @@ TORCH_LIBRARY_FRAGMENT(radixray, m) {
   m.def("int8_vnni_gemm(Tensor x, Tensor packed, Tensor comp, int N) -> Tensor");
   m.def("int8_vnni_linear(Tensor x, Tensor? x_scale, Tensor packed, Tensor comp, Tensor w_scale, Tensor? bias, "
         "int N) -> Tensor");
+  m.def("int8_vnni_gated_codes(Tensor x, Tensor packed, Tensor comp, Tensor w_scale, Tensor? bias, int N) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(radixray, CPU, m) {
   m.impl("int8_vnni_pack", &int8_vnni_pack);
   m.impl("int8_vnni_gemm", &int8_vnni_gemm);
   m.impl("int8_vnni_linear", &int8_vnni_linear);
+  m.impl("int8_vnni_gated_codes", &int8_vnni_gated_codes);
 }

@@ -29,6 +29,12 @@ inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
+// silu(a) * b on 16 lanes: the operations of simd.h's silu_mul8, so the same bits.
+inline __m512 silu_mul16(__m512 a, __m512 b) {
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), a));
+  return _mm512_mul_ps(_mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), b);
+}
+
 // The lanes below n (n may be past 16 or below 0).
 inline __mmask16 first_lanes(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << std::max<int64_t>(n, 0)) - 1);
