@@ -78,9 +78,6 @@ class ReqToTokenPool:
 
 
 FP8_E5M2_MAX = 57344.0  # the largest finite float8_e5m2
-# Rows up to which KVPool.write uses the one-call C++ store (4-10 torch ops a layer otherwise);
-# above it torch's vectorized casts are faster than the kernel's per-element c10 casts.
-FUSED_WRITE_MAX_ROWS = 256
 
 
 def to_pool_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -127,9 +124,9 @@ class KVPool:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store keys/values ``[n, kv_heads, head_dim]`` of ``n`` tokens at ``slots``.
 
-        Up to ``FUSED_WRITE_MAX_ROWS`` fp32 rows (decode) one C++ call casts and scatters
-        K and V; longer writes go through torch's vectorized cast. Same values either way."""
-        if self.ext is not None and k.shape[0] <= FUSED_WRITE_MAX_ROWS and k.dtype == torch.float32:
+        fp32 rows take one C++ call that casts and scatters K and V (vectorized, c10's
+        rounding); without the kernels, torch's cast and ``index_copy_``. Same values either way."""
+        if self._fused(k):
             self.ext.kv_store(self.k_buffers[layer], self.v_buffers[layer], slots, k, v)
             return
         for buf, x in ((self.k_buffers[layer], k), (self.v_buffers[layer], v)):
@@ -137,3 +134,17 @@ class KVPool:
             if x.element_size() == 1:  # torch has no index_copy_ for fp8 on the CPU: copy the bytes
                 buf, x = buf.view(torch.uint8), x.view(torch.uint8)
             buf.index_copy_(0, slots, x)
+
+    def write_rounded(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`write`, returning the keys/values as stored, widened to ``out_dtype``: what
+        attention over the pool reads for these tokens (one C++ pass for fp32 in and out)."""
+        if self._fused(k) and out_dtype == torch.float32:
+            k_r, v_r = self.ext.kv_store_rounded(self.k_buffers[layer], self.v_buffers[layer], slots, k, v)
+            return k_r, v_r
+        k, v = to_pool_dtype(k, self.dtype), to_pool_dtype(v, self.dtype)
+        self.write(layer, slots, k, v)
+        return k.to(out_dtype), v.to(out_dtype)
+
+    def _fused(self, k: torch.Tensor) -> bool:
+        return self.ext is not None and k.dtype == torch.float32 and k.device.type == "cpu"

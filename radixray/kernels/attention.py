@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from radixray.engine.forward_batch import ForwardBatch, ForwardMode
-from radixray.engine.memory import KVPool, to_pool_dtype
+from radixray.engine.memory import KVPool
 
 
 class AttentionBackend(abc.ABC):
@@ -77,9 +77,8 @@ class TorchAttention(AttentionBackend):
         # New keys/values are rounded to the pool's dtype once for the whole batch: the pool
         # stores those values and attention reads them widened back, so a request computes the
         # same whether its prefix came from the cache or was just prefilled.
-        k, v = to_pool_dtype(k, pool.dtype), to_pool_dtype(v, pool.dtype)
-        pool.write(layer, batch.out_cache_loc, k, v)
-        return self._extend(q, k.to(q.dtype), v.to(q.dtype), layer, batch)
+        k, v = pool.write_rounded(layer, batch.out_cache_loc, k, v, q.dtype)
+        return self._extend(q, k, v, layer, batch)
 
     def _decode(self, q, layer, batch):
         meta = batch.attn_metadata

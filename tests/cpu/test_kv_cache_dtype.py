@@ -89,3 +89,26 @@ def test_one_call_kv_write_equals_the_torch_path(dtype):
         assert torch.equal(a[slots].view(torch.uint8), b[slots].view(torch.uint8))
     with pytest.raises(RuntimeError, match=r"slots\[1\]=65 outside \[0, 65\)"):
         load_extension().kv_store(fused.k_buffers[0], fused.v_buffers[0], torch.tensor([1, 65]), k[:2], v[:2])
+
+
+@pytest.mark.skipif(load_extension() is None, reason="C++ CPU kernels not built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2])
+def test_rounded_write_returns_what_the_pool_holds(dtype):
+    """write_rounded (the extend path) stores the torch path's bytes for any fp32 bit pattern
+    (random patterns cover denormals, ties, saturation and inf; NaN stays NaN) and returns
+    the stored values widened back, as the torch path's cast back would."""
+    g = torch.Generator().manual_seed(5)
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (300 * 3 * 64,), generator=g, dtype=torch.int64).to(torch.int32)
+    k = bits.view(torch.float32).view(300, 3, 64).clone()
+    k[0, 0, :4] = torch.tensor([0.0, -0.0, 0.5 + 2 ** -9, FP8_E5M2_MAX * 1.2])
+    v = torch.randn(300, 3, 64, generator=g) * torch.logspace(-9, 6, 64)
+    slots = torch.randperm(320, generator=g)[:300] + 1
+    fused = KVPool(320, num_layers=1, num_kv_heads=3, head_dim=64, dtype=dtype, ext=load_extension())
+    plain = KVPool(320, num_layers=1, num_kv_heads=3, head_dim=64, dtype=dtype)
+    got = fused.write_rounded(0, slots, k, v, torch.float32)
+    want = plain.write_rounded(0, slots, k, v, torch.float32)
+    for a, b in ((fused.k_buffers[0], plain.k_buffers[0]), (fused.v_buffers[0], plain.v_buffers[0])):
+        a, b = a[slots].float(), b[slots].float()
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    for a, b in zip(got, want):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())

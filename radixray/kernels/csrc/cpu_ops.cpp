@@ -227,7 +227,14 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor positions, torch::Tensor cos
     for (int64_t h = 0; h < NH; ++h) {
       const float* xi = X + t * row + h * D;
       float* o = O + (t * NH + h) * D;
-      for (int64_t i = 0; i < half; ++i) {
+      int64_t i = 0;
+      for (; i + 8 <= half; i += 8) {  // x * cos + rotate_half(x) * sin, 8 lanes of each half
+        const __m256 x1 = _mm256_loadu_ps(xi + i), x2 = _mm256_loadu_ps(xi + i + half);
+        _mm256_storeu_ps(o + i, _mm256_fnmadd_ps(x2, _mm256_loadu_ps(s + i), _mm256_mul_ps(x1, _mm256_loadu_ps(c + i))));
+        _mm256_storeu_ps(o + i + half,
+                         _mm256_fmadd_ps(x1, _mm256_loadu_ps(s + i + half), _mm256_mul_ps(x2, _mm256_loadu_ps(c + i + half))));
+      }
+      for (; i < half; ++i) {
         const float a = xi[i] * c[i];
         const float b = -xi[i + half] * s[i];
         o[i] = a + b;
