@@ -178,8 +178,9 @@ def int8_gated_mlp(x: torch.Tensor, gate_up: Int8Linear, down: Int8Linear) -> to
     applies silu-mul and quantizes the result for ``down``, so the [M, 2I] fp32
     activation is never written out; with packed weights on AMX and a few blocks of
     32 rows per thread, that pass runs in the GEMM's epilogue and the int32
-    accumulator is not written out either (csrc/int8_gated_amx.h). The codes equal those of ``gate_up(x)``,
-    ``silu_mul``, then ``down``'s own quantization (tests/cpu/test_int8_linear.py).
+    accumulator is not written out either (csrc/int8_gated_amx.h). The codes equal
+    those of ``gate_up(x)``, ``silu_mul``, then ``down``'s own quantization
+    (tests/cpu/test_int8_linear.py).
     """
     ext = gate_up.ext
     if gate_up._vnni_for(x.shape[0]):  # all of it in one call (on AMX tiles: the accumulator stays in them)

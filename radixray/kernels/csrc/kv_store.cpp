@@ -98,10 +98,6 @@ void store_kv(torch::Tensor& kb, torch::Tensor& vb, const int64_t* slots, const 
   store_rows(vb.data_ptr<T>(), slots, v.data_ptr<float>(), n, row, v_rounded);
 }
 
-}  // namespace
-
-namespace {
-
 // Checks the arguments, then stores; k_rounded / v_rounded as store_rows (or null).
 void store_checked(torch::Tensor& k_buf, torch::Tensor& v_buf, torch::Tensor slots, torch::Tensor k, torch::Tensor v,
                    torch::Tensor* k_rounded, torch::Tensor* v_rounded) {
