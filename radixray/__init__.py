@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "EngineConfig", "SamplingParams", "build_app"]
+__all__ = ["Engine", "EngineConfig", "EngineFailed", "SamplingParams", "build_app"]
 
 
 def __getattr__(name: str):
@@ -14,6 +14,9 @@ def __getattr__(name: str):
     if name == "EngineConfig":
         from radixray.engine.config import EngineConfig
         return EngineConfig
+    if name == "EngineFailed":
+        from radixray.engine.faults import EngineFailed
+        return EngineFailed
     if name == "SamplingParams":
         from radixray.engine.sampling import SamplingParams
         return SamplingParams

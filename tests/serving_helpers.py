@@ -6,6 +6,8 @@ import os
 import re
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 
@@ -43,6 +45,20 @@ def serve_app(config: dict) -> str:
     base = f"http://127.0.0.1:{port}"
     wait_ready(base)
     return base
+
+
+@contextmanager
+def served(config: dict) -> Iterator[str]:
+    """A local Ray serving ``build_app(config)``: yields the base URL once /ready is 200,
+    and shuts Serve and Ray down afterwards."""
+    import ray
+    from ray import serve
+    start_local_ray()
+    try:
+        yield serve_app(config)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 def wait_ready(base: str, timeout: float = 300) -> None:

@@ -2,7 +2,8 @@
 
 It starts the engine workers (one placement-group bundle each), keeps the
 registry (:mod:`radixray.cluster.registry`), pings every live worker, restarts a
-worker whose actor died and re-registers it, drains and resumes workers on
+worker whose actor died or whose engine failed (its scheduler gave up after
+repeated faults, or its thread died) and re-registers it, drains and resumes workers on
 request, and tells the router which workers are routable after every change.
 Only the controller starts or stops workers; ingress replicas ask it for worker
 handles and route through the router actor it creates.
@@ -117,12 +118,11 @@ class Controller:
         try:
             info = await rec.handle.info.remote()
         except Exception as exc:  # noqa: BLE001 - any start-up failure marks the slot dead
-            rec.error = f"start-up failed: {unwrap_ray_error(exc)}"
-            rec.set_state("dead")
-            logger.error("worker %s (generation %d) %s", rec.worker_id, rec.generation, rec.error)
+            self._mark_dead(rec, f"start-up failed: {unwrap_ray_error(exc)}")
             return
         rec.set_state("draining" if self.draining else "ready")
         rec.healthy, rec.last_ping_at = True, time.time()
+        self._spawn(self._watch(rec, rec.generation))
         if self.draining:
             await rec.handle.drain.remote()
         logger.info("worker %s ready (generation %d, pool %d tokens)", rec.worker_id,
@@ -202,10 +202,30 @@ class Controller:
             await self._publish()
         await asyncio.gather(*(self._refresh_load(r) for r in self.registry.live()))
 
-    async def _ping(self, rec: WorkerRecord) -> bool:
-        """False when the actor is gone (then ``rec`` is marked dead)."""
+    async def _watch(self, rec: WorkerRecord, generation: int) -> None:
+        """Keep one ``wait_until_failed`` call open on a ready worker: it returns when the
+        engine fails and raises when the actor dies, so either is replaced at once rather
+        than at the next ping."""
         try:
-            await asyncio.wait_for(rec.handle.ping.remote(), self.cfg.fleet.health_check_timeout_s)
+            error = f"failed: {await rec.handle.wait_until_failed.remote()}"
+        except Exception as exc:  # noqa: BLE001 - RayActorError and friends: the actor is gone
+            error = f"died: {unwrap_ray_error(exc)}"
+        if rec.generation != generation or rec not in self.registry.live():
+            return  # already replaced, or stopped on purpose
+        self._mark_dead(rec, error)
+        await self._publish()
+        await self._replace(rec)
+
+    def _mark_dead(self, rec: WorkerRecord, error: str) -> None:
+        rec.error = error
+        rec.set_state("dead")
+        logger.error("worker %s (generation %d) %s", rec.worker_id, rec.generation, error)
+
+    async def _ping(self, rec: WorkerRecord) -> bool:
+        """False when the actor is gone or its engine failed (then ``rec`` is marked dead)."""
+        try:
+            health = await asyncio.wait_for(rec.handle.ping.remote(),
+                                            self.cfg.fleet.health_check_timeout_s)
         except asyncio.TimeoutError:
             if rec.healthy:
                 logger.warning("worker %s did not answer a ping within %.0f s", rec.worker_id,
@@ -213,9 +233,10 @@ class Controller:
             rec.healthy = False
             return True
         except Exception as exc:  # noqa: BLE001 - RayActorError and friends: the actor is gone
-            rec.error = f"died: {unwrap_ray_error(exc)}"
-            rec.set_state("dead")
-            logger.error("worker %s (generation %d) %s", rec.worker_id, rec.generation, rec.error)
+            self._mark_dead(rec, f"died: {unwrap_ray_error(exc)}")
+            return False
+        if not health.ok:
+            self._mark_dead(rec, f"failed: {health.reason}")
             return False
         rec.healthy, rec.last_ping_at = True, time.time()
         return True
@@ -232,16 +253,17 @@ class Controller:
         if rec.state != "dead":
             return
         fleet = self.cfg.fleet
+        try:  # a failed engine's actor still runs: it holds memory and a bundle
+            ray.kill(rec.handle, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
         if not fleet.restart_dead_workers or rec.restarts >= fleet.max_restarts:
             rec.set_state("failed")
             logger.error("worker %s stays down (restarts %d, limit %d, restarts %s)",
                          rec.worker_id, rec.restarts, fleet.max_restarts,
                          "on" if fleet.restart_dead_workers else "off")
+            await self._publish()
             return
-        try:
-            ray.kill(rec.handle, no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
         rec.restarts += 1
         rec.generation += 1
         logger.warning("restarting worker %s (restart %d)", rec.worker_id, rec.restarts)
@@ -267,8 +289,13 @@ class Controller:
         return [await self.worker(r.worker_id) for r in self.registry.live()]
 
     async def health(self) -> dict:
+        """Whether the fleet takes requests; ``errors`` says why each worker that does not
+        serve went down (its last death or engine failure)."""
+        live = self.registry.live()
         return {"draining": self.draining, "routable": len(self.registry.routable()),
-                "workers": self.registry.counts()}
+                "workers": self.registry.counts(),
+                "errors": {r.worker_id: r.error for r in self.registry
+                           if r not in live and r.error}}
 
     async def drain_worker(self, worker_id: str) -> dict:
         """Stop sending new requests to ``worker_id``; its in-flight requests finish."""

@@ -22,9 +22,10 @@ import time
 from concurrent.futures import Future
 
 from radixray.actors.niceness import set_niceness
-from radixray.cluster.errors import WorkerDraining
+from radixray.cluster.errors import WorkerDraining, WorkerUnavailable
 from radixray.cluster.metrics import WorkerMetrics, scheduler_snapshot
 from radixray.engine.engine import Engine, StepChannel
+from radixray.engine.faults import EngineFailed, EngineHealth
 from radixray.engine.inputs import build_requests
 from radixray.engine.scheduler import CallInLoop
 
@@ -62,7 +63,10 @@ class EngineWorker:
         self.started_at = time.time()
         if warmup:
             t0 = time.perf_counter()
-            self.engine.generate(WARMUP_PROMPT, {"max_new_tokens": 1, "temperature": 0.0})
+            out = self.engine.generate(WARMUP_PROMPT, {"max_new_tokens": 1, "temperature": 0.0})
+            reason = out["meta_info"]["finish_reason"]
+            if reason["type"] == "error":  # the model cannot serve one token: do not start
+                raise RuntimeError(f"worker {worker_id} warm-up failed: {reason['message']}")
             logger.info("worker %s warmed up in %.2f s", worker_id, time.perf_counter() - t0)
         gc.collect()
         gc.freeze()  # long-lived objects leave the collector's generations: no pauses scanning them
@@ -109,7 +113,7 @@ class EngineWorker:
 
         Each request dict has ``rid``, ``input_ids``, ``sampling_params`` (dict)
         and optionally ``priority``. Raises ValueError naming the bad field (nothing
-        is scheduled then) or WorkerDraining.
+        is scheduled then), WorkerDraining, or WorkerUnavailable once the engine failed.
         """
         if self.draining:
             raise WorkerDraining(f"worker {self.worker_id} is draining and takes no new requests")
@@ -123,7 +127,10 @@ class EngineWorker:
                                       r.get("priority"))
             reqs.extend(built)
         channel, rids = entry
-        self.engine.submit_to_channel(reqs, channel)
+        try:
+            self.engine.submit_to_channel(reqs, channel)
+        except EngineFailed as exc:
+            raise WorkerUnavailable(f"engine worker {self.worker_id}: {exc}") from None
         rids.update(r.rid for r in reqs)
 
     async def abort(self, rids: list[str]) -> None:
@@ -156,10 +163,26 @@ class EngineWorker:
     async def inflight_rids(self) -> list[str]:
         return sorted(rid for _, rids in self._channels.values() for rid in rids)
 
-    async def ping(self) -> str:
-        """Liveness: answered by the actor's event loop, not the scheduler, so a long forward
-        pass does not make a healthy worker look dead."""
-        return self.worker_id
+    async def ping(self) -> EngineHealth:
+        """Liveness of the scheduler, not only of this actor: whether its thread runs and the
+        engine serves. Answered without waiting for a step, so a long forward pass does not
+        make a healthy worker look dead."""
+        return self.engine.health()
+
+    async def wait_until_failed(self) -> str:
+        """Return (with the reason) once the engine fails; the controller keeps one call
+        open per worker, so a failed scheduler is replaced at once instead of at a ping."""
+        loop = asyncio.get_running_loop()
+        failed: asyncio.Future = loop.create_future()
+
+        def tell(reason: str) -> None:  # scheduler thread
+            loop.call_soon_threadsafe(lambda: failed.done() or failed.set_result(reason))
+        self.engine.on_failure(tell)
+        return await failed
+
+    async def inject_faults(self, count: int, message: str = "injected fault") -> None:
+        """Test hook: the next ``count`` forward passes raise (-1: every one; 0: stop)."""
+        self.engine.inject_faults(count, message)
 
     async def resume(self) -> None:
         """Take requests again after :meth:`drain`."""

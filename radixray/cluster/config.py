@@ -49,6 +49,9 @@ class EngineSection(BaseModel):
     stream_interval: int = Field(1, ge=1)
     random_seed: int = 0
     check_kv_conservation: bool = False
+    # a fault in this many scheduler steps in a row marks the engine failed and the worker
+    # is restarted
+    max_consecutive_failed_steps: int = Field(3, ge=1)
 
     @model_validator(mode="after")
     def _lm_head_needs_int8(self) -> EngineSection:

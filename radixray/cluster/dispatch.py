@@ -6,9 +6,13 @@ A request that fails before its first token is placed again on a worker it has
 not tried, up to ``max_attempts`` attempts in all, sleeping ``backoff_s``,
 doubling, between attempts:
 
-- at submit: the worker is draining (:class:`WorkerDraining`) or gone
-  (:class:`WorkerUnavailable`);
-- on the stream: the worker died before the request's first token.
+- at submit: the worker is draining (:class:`WorkerDraining`) or gone, or its
+  engine failed (:class:`WorkerUnavailable`);
+- on the stream: the worker died, or its engine failed (status 503), before the
+  request's first token.
+
+A request whose batch hit a fault (status 500) is not retried: it may be the
+cause, and another worker would fail the same way.
 
 A request that already streamed tokens is never retried: its stream ends with
 an ``error`` update (an error event for SSE clients). Every pick is paired with
@@ -27,6 +31,7 @@ from collections.abc import AsyncIterator
 from radixray.cluster.errors import WorkerDraining, WorkerUnavailable, unwrap_ray_error
 from radixray.cluster.routing import NoWorkerAvailable
 from radixray.cluster.worker_client import WorkerClient
+from radixray.engine.faults import BATCH_FAULT_STATUS
 
 logger = logging.getLogger("radixray.ingress")
 
@@ -91,11 +96,6 @@ class Dispatcher:
             self.clients[worker_id] = c
             return c
 
-    async def serving(self) -> bool:
-        """True while the fleet is not draining and some worker takes requests."""
-        h = await self.controller.health.remote()
-        return not h["draining"] and h["routable"] > 0
-
     # ---- placing requests ------------------------------------------------------------
     async def run(self, requests: list[dict], route_text: str,
                   session_id: str | None = None) -> list[AsyncIterator[dict]]:
@@ -156,7 +156,8 @@ class Dispatcher:
             while True:
                 failed = None
                 async for update in stream:
-                    if "error" in update and not started:
+                    if "error" in update and not started \
+                            and update.get("status") != BATCH_FAULT_STATUS:
                         failed = update
                         break
                     if "error" in update:

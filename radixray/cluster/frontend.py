@@ -82,6 +82,12 @@ class Choice:
     def finished(self) -> bool:
         return self.meta is not None or self.error is not None
 
+    def api_error(self) -> ApiError:
+        """The error of a failed choice: a 503 when its worker or engine went down (retry
+        later), a 500 when its batch failed."""
+        kind = "service_unavailable" if self.error_status == 503 else "server_error"
+        return ApiError(self.error_status, self.error, type=kind)
+
 
 class Frontend:
     """Everything an HTTP handler needs from this ingress replica."""
@@ -177,8 +183,7 @@ class Frontend:
         await self.run_to_end(choices, streams)
         failed = next((c for c in choices if c.error), None)
         if failed:
-            kind = "service_unavailable" if failed.error_status == 503 else "server_error"
-            raise ApiError(failed.error_status, failed.error, type=kind)
+            raise failed.api_error()
 
     async def interleave(self, choices: list[Choice], streams: list[AsyncIterator]):
         """Yield (choice, delta text, update) as updates arrive from any choice."""

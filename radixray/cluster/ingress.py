@@ -141,8 +141,19 @@ class Ingress:
                                                [{"max_new_tokens": 1, "temperature": 0.0}])
         await asyncio.wait_for(self.fe.complete(choices, streams), timeout)
 
-    async def _serving(self) -> bool:
-        return self._ready and await self.fe.dispatcher.serving()
+    async def _not_serving(self) -> JSONResponse | None:
+        """None while this replica serves; otherwise the 503 that says why (starting,
+        draining, or no worker up, with each down worker's last error)."""
+        if not self._ready:
+            return JSONResponse({"status": "starting", "detail": "warming up"}, status_code=503)
+        h = await self.controller.health.remote()
+        if h["draining"]:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if h["routable"] == 0:
+            return JSONResponse({"status": "unavailable",
+                                 "detail": "no engine worker takes requests",
+                                 "workers": h["workers"], "errors": h["errors"]}, status_code=503)
+        return None
 
     # ---- APIs -----------------------------------------------------------------------
     @app.post("/v1/chat/completions")
@@ -178,27 +189,33 @@ class Ingress:
                 self._start_task = asyncio.create_task(self._ensure_ready())
             detail = f"start-up failed: {error}" if error else "warming up"
             return JSONResponse({"status": "starting", "detail": detail}, status_code=503)
-        if not await self._serving():
-            return JSONResponse({"status": "draining"}, status_code=503)
-        return {"status": "ready"}
+        return await self._not_serving() or {"status": "ready"}
 
     @app.get("/health")
     async def health(self):
-        if not await self._serving():
-            return Response(status_code=503)
+        """200 (empty) while some worker takes requests; a 503 whose JSON body says why
+        otherwise (an engine whose scheduler failed is down until its restart)."""
+        down = await self._not_serving()
+        if down is not None:
+            return down
         if self.cfg.server.health_generates:
             return await self.health_generate()
         return Response(status_code=200)
 
     @app.get("/health_generate")
     async def health_generate(self):
-        if not await self._serving():
-            return Response(status_code=503)
+        """Generate one token end to end; 503 with the reason if that fails or times out."""
+        down = await self._not_serving()
+        if down is not None:
+            return down
         try:
             await self._generate_one(self.cfg.server.health_check_timeout_s)
         except Exception as exc:  # noqa: BLE001 - a failed probe is a 503, and its request is gone
-            logger.warning("health_generate failed: %s", exc or type(exc).__name__)
-            return Response(status_code=503)
+            detail = (f"no token within {self.cfg.server.health_check_timeout_s} s"
+                      if isinstance(exc, asyncio.TimeoutError)
+                      else getattr(exc, "message", None) or str(exc) or type(exc).__name__)
+            logger.warning("health_generate failed: %s", detail)
+            return JSONResponse({"status": "unhealthy", "detail": detail}, status_code=503)
         return Response(status_code=200)
 
     @app.post("/flush_cache")

@@ -40,6 +40,8 @@ def scheduler_snapshot(scheduler) -> dict:
         "prefill_cached_tokens": st.prefill_cached_tokens,
         "num_retracted_reqs": st.num_retracted_reqs,
         "num_aborted_reqs": st.num_aborted_reqs,
+        "failed_steps": scheduler.faults.total,
+        "engine_failed": scheduler.faults.failed is not None,
     }
 
 
@@ -97,7 +99,9 @@ class WorkerMetrics:
         for name, doc in (("num_running_reqs", "Requests in the running (decode) batch."),
                           ("num_queue_reqs", "Requests waiting for admission."),
                           ("token_usage", "Share of the KV pool in use (requests + cache)."),
-                          ("gen_throughput", "Decode tokens per second over the last log interval.")):
+                          ("gen_throughput", "Decode tokens per second over the last log interval."),
+                          ("engine_failed", "1 once the engine stopped serving after repeated "
+                           "step faults (the controller then restarts the worker).")):
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["worker"])
             g.add_metric(w, float(snapshot[name]))
             out.append(g)
@@ -105,7 +109,9 @@ class WorkerMetrics:
                 ("prompt_tokens", "prompt_tokens", "Prompt tokens of requests."),
                 ("generation_tokens", "generation_tokens", "Generated tokens."),
                 ("num_retracted_reqs", "num_retracted_reqs", "Requests retracted to free KV."),
-                ("num_aborted_reqs", "num_aborted_reqs", "Requests aborted.")):
+                ("num_aborted_reqs", "num_aborted_reqs", "Requests aborted."),
+                ("failed_steps", "failed_steps", "Scheduler steps whose batch failed with an "
+                 "error (its requests finished with finish_reason error).")):
             c = CounterMetricFamily(PREFIX + name, doc, labels=["worker"])
             c.add_metric(w, float(snapshot[key]))
             out.append(c)

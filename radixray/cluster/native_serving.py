@@ -86,7 +86,7 @@ async def generate(fe: Frontend, req: GenerateRequest, session_id: str | None = 
 async def _stream(fe: Frontend, req: GenerateRequest, choices, streams) -> AsyncIterator[str]:
     async for c, delta, _ in fe.interleave(choices, streams):
         if c.error:
-            yield sse({"error": {"message": c.error, "type": "server_error", "code": 500}})
+            yield sse(c.api_error().body())
             continue
         if delta or c.meta is not None:
             yield sse(_result(fe, c, req.return_logprob))

@@ -30,7 +30,8 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 def finish_reason(choice: Choice) -> str | None:
-    """OpenAI finish_reason: stop | length | abort (engine aborts, e.g. out of memory)."""
+    """OpenAI finish_reason: stop | length | abort (engine aborts, e.g. out of memory). A
+    choice the engine failed never gets here: it is answered as an error."""
     if choice.meta is None:
         return None
     return (choice.meta.get("finish_reason") or {}).get("type")
@@ -55,7 +56,7 @@ def usage(fe: Frontend, choices: list[Choice], prompts_per_choice: int = 1) -> d
 
 
 def stream_error(choice: Choice) -> str:
-    return sse({"error": {"message": choice.error, "type": "server_error", "code": 500}})
+    return sse(choice.api_error().body())
 
 
 def _token_entry(fe: Frontend, token_id: int, logprob: float) -> dict:

@@ -4,7 +4,7 @@ States and who moves a worker between them (all on the controller)::
 
     starting --(model loaded, warmed up)--> ready <--resume-- draining
     ready --drain--> draining
-    starting | ready | draining --(actor died)--> dead --(restart)--> starting
+    starting | ready | draining --(actor died, or its engine failed)--> dead --(restart)--> starting
     starting --(constructor failed)--> dead       (restarted like any death)
     dead --(restart budget spent or restarts off)--> failed
 

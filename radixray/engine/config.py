@@ -42,6 +42,8 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads (CPU); None keeps torch's default
     random_seed: int = 0
     check_kv_conservation: bool = False  # assert the slot invariant after every step (tests)
+    # a fault in this many scheduler steps in a row marks the engine failed (requests get 503)
+    max_consecutive_failed_steps: int = 3
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -73,6 +75,9 @@ class EngineConfig:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        if self.max_consecutive_failed_steps < 1:
+            raise ValueError("max_consecutive_failed_steps must be >= 1, got "
+                             f"{self.max_consecutive_failed_steps}")
         if self.decode_log_interval < 1:
             raise ValueError("decode_log_interval must be >= 1")
 

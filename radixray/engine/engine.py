@@ -13,6 +13,7 @@ import torch
 
 from radixray.engine.config import EngineConfig
 from radixray.engine.detokenizer import IncrementalDetokenizer
+from radixray.engine.faults import ENGINE_FAILED_STATUS, EngineFailed, EngineHealth
 from radixray.engine.inputs import Limits, build_requests
 from radixray.engine.loader import resolve_model
 from radixray.engine.model_runner import ModelRunner
@@ -30,7 +31,8 @@ class StepChannel:
     many running requests costs one hand-off instead of one per request. Each
     update is a dict: ``rid``, ``ids`` (new output ids), ``logprobs`` /
     ``top_logprobs`` when requested, and ``meta`` (see :func:`meta_info`) on the
-    request's last update.
+    request's last update; a request the engine failed also has ``error`` (the
+    message) and ``status`` (500: its batch failed; 503: the engine failed).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
@@ -68,6 +70,9 @@ def take_update(req: Req) -> dict:
     req.emitted = len(req.output_ids)
     if req.finished:
         update["meta"] = meta_info(req)
+        if req.finish_reason.type == "error":
+            update["error"] = req.finish_reason.message
+            update["status"] = req.finish_reason.status
     return update
 
 
@@ -94,6 +99,10 @@ class Engine:
     :class:`EngineConfig`. ``generate`` blocks until its prompts finish;
     ``generate_stream`` yields chunks as tokens arrive. Both may be called from
     many threads or tasks at once: every call joins the same continuous batch.
+
+    A request whose batch hit a fault finishes with finish reason ``error``; once
+    the engine has failed (repeated faults, or its scheduler thread died) both
+    raise :class:`EngineFailed` instead of waiting (see :meth:`health`).
     """
 
     def __init__(self, model: str = "default", **options):
@@ -109,6 +118,8 @@ class Engine:
         self._subs: dict[str, _Subscriber] = {}
         self._lock = threading.Lock()
         self._stopping = False
+        self._failure_listeners: list = []
+        self.scheduler.on_failed = self._on_failed
         self._thread = threading.Thread(target=self._loop, name="radixray-scheduler", daemon=True)
         self._thread.start()
 
@@ -120,9 +131,19 @@ class Engine:
         torch.set_num_threads(self.runner.num_threads)
         try:
             self.scheduler.run_forever(lambda: self._stopping)
-        except Exception:
-            logger.exception("scheduler loop crashed")
-            raise
+        except BaseException as exc:  # noqa: BLE001 - run_forever contains Exceptions; the rest
+            logger.exception("scheduler thread died")  # ends the thread (logged once, here)
+            self.scheduler.fail_engine(f"the scheduler thread died: {type(exc).__name__}: {exc}")
+
+    def _on_failed(self, reason: str) -> None:
+        """Scheduler thread: the engine failed; tell every listener (see :meth:`on_failure`)."""
+        with self._lock:
+            listeners, self._failure_listeners = self._failure_listeners, []
+        for fn in listeners:
+            try:
+                fn(reason)
+            except Exception:  # noqa: BLE001 - one listener must not silence the others
+                logger.exception("engine failure listener raised")
 
     # ---- output path (scheduler thread) ----------------------------------------------
     def _on_output(self, reqs: list[Req]) -> None:
@@ -180,7 +201,10 @@ class Engine:
                                         self.limits, rid, priority)
         subs = self._submit(reqs)
         for sub in subs:
-            sub.done.wait()
+            while not sub.done.wait(1.0):
+                self._raise_if_dead()
+        for req in reqs:
+            _raise_if_engine_failed(req)
         results = [self._result(r) for r in reqs]
         return results if is_batch else results[0]
 
@@ -214,6 +238,7 @@ class Engine:
                 if "logprobs" in update:
                     chunk["output_token_logprobs"] = update["logprobs"]
                 if finished:
+                    _raise_if_engine_failed(req)
                     chunk["meta_info"] = update["meta"]
                 yield chunk
         finally:
@@ -225,6 +250,27 @@ class Engine:
     def submit_to_channel(self, reqs: list[Req], channel: StepChannel) -> None:
         """Schedule already-validated requests whose output goes to ``channel`` (serving path)."""
         self._submit(reqs, [_Subscriber(channel=channel) for _ in reqs])
+
+    def health(self) -> EngineHealth:
+        """Whether the scheduler thread runs and the engine serves (thread-safe)."""
+        faults = self.scheduler.faults
+        return EngineHealth(alive=self._thread.is_alive(), failed=faults.failed,
+                            failed_steps=faults.total,
+                            consecutive_failed_steps=faults.consecutive)
+
+    def on_failure(self, callback) -> None:
+        """Call ``callback(reason)`` once when the engine fails (at once if it has); it runs
+        on the scheduler thread, so it must only hand the news on."""
+        with self._lock:
+            failed = self.scheduler.faults.failed
+            if failed is None:
+                self._failure_listeners.append(callback)
+        if failed is not None:
+            callback(failed)
+
+    def inject_faults(self, count: int, message: str = "injected fault") -> None:
+        """Test hook: the next ``count`` forward passes raise (-1: every one; 0: stop)."""
+        self.scheduler.faults.inject(count, message)
 
     def abort(self, rid: str) -> None:
         """Abort a request by id; its KV returns to the pool or the cache."""
@@ -279,6 +325,7 @@ class Engine:
         A rid still in use or a shut-down engine is an error, and nothing changes then.
         """
         subs = subs or [_Subscriber() for _ in reqs]
+        self._raise_if_dead()
         with self._lock:
             if self._stopping:
                 raise RuntimeError("the engine is shut down")
@@ -289,6 +336,12 @@ class Engine:
                 self._subs[req.rid] = sub
             self.scheduler.submit(reqs)
         return subs
+
+    def _raise_if_dead(self) -> None:
+        """EngineFailed when the engine failed or its scheduler thread is gone."""
+        health = self.health()
+        if not health.ok and not self._stopping:
+            raise EngineFailed(f"the engine cannot serve: {health.reason}")
 
     def _result(self, req: Req) -> dict:
         with self._lock:
@@ -305,3 +358,11 @@ class Engine:
             if req.sampling.top_logprobs_num:
                 out["output_top_logprobs"] = list(req.output_top_logprobs)
         return out
+
+
+def _raise_if_engine_failed(req: Req) -> None:
+    """A request ended because the whole engine failed: raise that (a batch fault is not
+    raised; it is the request's own result, finish reason ``error``)."""
+    reason = req.finish_reason
+    if reason is not None and reason.type == "error" and reason.status == ENGINE_FAILED_STATUS:
+        raise EngineFailed(reason.message)

@@ -67,19 +67,24 @@ class KVManager:
         return True
 
     def extend(self, req: Req, n: int) -> torch.Tensor | None:
-        """Allocate KV for the request's next ``n`` tokens and record them in its row."""
+        """Allocate KV for the request's next ``n`` tokens and record them in its row
+        (reserved until :meth:`Req.commit_kv`)."""
         slots = self.alloc_slots(n)
         if slots is not None:
             self.table[req.req_row, req.kv_len:req.kv_len + n] = slots
+            req.kv_reserved = n
         return slots
 
     def extend_decode(self, reqs: list[Req]) -> torch.Tensor | None:
-        """One slot per request for a decode step, written at each request's current length."""
+        """One slot per request for a decode step, written at each request's current length
+        (reserved until :meth:`Req.commit_kv`)."""
         slots = self.alloc_slots(len(reqs))
         if slots is not None:
             rows = torch.tensor([r.req_row for r in reqs], dtype=torch.int64)
             cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
             self.table[rows, cols] = slots
+            for r in reqs:
+                r.kv_reserved = 1
         return slots
 
     def _insert(self, req: Req) -> None:
@@ -104,13 +109,18 @@ class KVManager:
         req.cache_locked_len = n
 
     def release(self, req: Req) -> None:
-        """The request stops holding KV (finished, aborted or retracted).
+        """The request stops holding KV (finished, aborted, retracted or failed).
 
         Its computed KV goes into the tree (so a retried or repeated prompt hits),
-        or back to the free list when the cache is disabled.
+        or back to the free list when the cache is disabled. Slots reserved for a
+        step that never completed go back to the free list.
         """
         if req.req_row is None:
             return
+        if req.kv_reserved:
+            self.allocator.free(
+                self.table[req.req_row, req.kv_len:req.kv_len + req.kv_reserved].clone())
+            req.kv_reserved = 0
         if self.cache.disabled:
             self.allocator.free(self.table[req.req_row, : req.kv_len].clone())
         else:

@@ -12,12 +12,19 @@ from radixray.engine.sampling import SamplingParams
 
 @dataclass
 class FinishReason:
-    """Why a request ended. ``type`` is stop | length | abort."""
+    """Why a request ended. ``type`` is stop | length | abort | error.
+
+    ``error`` means the engine failed the request: ``message`` names the cause and
+    ``status`` says whose problem it is, as an HTTP status: 500 for a fault in this
+    request's batch (not retried: the request may be its cause), 503 when the whole
+    engine stopped serving (safe to retry on another worker).
+    """
 
     type: str
     matched: int | str | None = None  # the stop token id or stop string that matched
     length: int | None = None
     message: str | None = None
+    status: int | None = None  # error only
 
     def to_dict(self) -> dict:
         d: dict = {"type": self.type}
@@ -27,6 +34,8 @@ class FinishReason:
             d["length"] = self.length
         elif self.message:
             d["message"] = self.message
+        if self.type == "error":
+            d["status"] = self.status
         return d
 
 
@@ -52,6 +61,9 @@ class Req:
     # KV placement
     req_row: int | None = None
     kv_len: int = 0
+    # slots written into the row past kv_len for the step in flight (KV not computed yet);
+    # a request that fails mid-step returns them with the rest of its KV
+    kv_reserved: int = 0
     cache_locked_len: int = 0
     last_node: object | None = None
     # length of this step's new tokens (set when scheduled)
@@ -68,6 +80,11 @@ class Req:
     generator: torch.Generator | None = None
     # how many output tokens have been handed to the caller
     emitted: int = 0
+
+    def commit_kv(self, n: int) -> None:
+        """The step's forward pass wrote KV for the next ``n`` (reserved) tokens."""
+        self.kv_len += n
+        self.kv_reserved = 0
 
     @property
     def all_ids(self) -> list[int]:

@@ -9,11 +9,19 @@ alone or batched with others.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from radixray.engine.sampling import SamplingParams
+
+_F32 = torch.finfo(torch.float32)
+# Smallest positive normal and largest finite float32: sampling parameters are clamped into
+# [TINY, HUGE] before they divide or scale logits, so no legal value becomes 0 or inf there.
+TINY, HUGE = _F32.tiny, _F32.max
+NONFINITE_LOGITS = ("the model produced non-finite logits (NaN or inf) for this request; "
+                    "its output so far is kept, no further token was sampled")
 
 
 @dataclass
@@ -25,6 +33,9 @@ class SampleOutput:
     # Per row: top-k (token, logprob) sorted by logprob, descending; [] for rows
     # that asked for none (None when no row asked for logprobs at all).
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Rows that got no token because their logits were not finite: row -> message. Their
+    # token_ids entry is -1. None when every row was sampled.
+    errors: dict[int, str] | None = None
 
 
 def _has_penalty(p: SamplingParams) -> bool:
@@ -33,6 +44,29 @@ def _has_penalty(p: SamplingParams) -> bool:
 
 def _wants_logprob(p: SamplingParams) -> bool:
     return p.return_logprob or p.top_logprobs_num > 0
+
+
+def _argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each row's largest value, its index). argmax takes a NaN or +inf over any finite
+    value, so the value is finite exactly when the row is usable. Cheaper than ``max(dim)``
+    on CPU: one argmax pass plus a gather of B values."""
+    tokens = x.argmax(dim=-1)
+    return x.gather(1, tokens.unsqueeze(1)).squeeze(1), tokens
+
+
+def _nonfinite_rows(row_max: torch.Tensor) -> list[int]:
+    """Rows whose maximum is not finite: they hold a NaN or +inf, or every entry is -inf. The usual all-finite batch costs one sum and one ``.item()`` (a
+    sum that overflows only sends it to the exact per-row check)."""
+    if math.isfinite(row_max.sum().item()):
+        return []
+    return (~torch.isfinite(row_max)).nonzero().flatten().tolist()
+
+
+def _col(params: list[SamplingParams], rows: list[int], name: str, device,
+         lo: float = -HUGE) -> torch.Tensor:
+    """One float32 column of a sampling field over ``rows``, clamped into [lo, HUGE]."""
+    vals = [float(getattr(params[i], name)) for i in rows]
+    return torch.tensor(vals, dtype=torch.float32, device=device).clamp_(lo, HUGE).unsqueeze(1)
 
 
 class Sampler:
@@ -58,28 +92,45 @@ class Sampler:
         lp_rows = [i for i, p in enumerate(params) if _wants_logprob(p)]
         greedy = [p.is_greedy for p in params]
 
-        # Fast path: one argmax over the batch, no float copy.
+        # Fast path: one argmax over the batch, no float copy; the B logits it picked say
+        # whether a row is finite.
         if all(greedy) and not pen_rows and not lp_rows:
-            return SampleOutput(token_ids=logits.argmax(dim=-1).tolist())
+            row_max, tokens = _argmax(logits)
+            return self._with_errors(tokens.tolist(), _nonfinite_rows(row_max))
 
         device = logits.device
         # Out-of-place from here on; .float() may alias an fp32 input.
         x = logits.float()
-        if pen_rows:
-            x = self._apply_penalties(x, params, output_histories, pen_rows)
+        row_max, tokens = _argmax(x)
+        bad = _nonfinite_rows(row_max)
+        if bad:
+            # Zero the broken rows so the vectorised work below stays finite; they get no token.
+            keep = torch.ones(batch, 1, dtype=torch.bool, device=device)
+            keep[bad] = False
+            x = torch.where(keep, x, 0.0)
+        if pen_rows or bad:
+            if pen_rows:
+                x = self._apply_penalties(x, params, output_histories, pen_rows)
+            row_max, tokens = _argmax(x)
 
-        tokens = x.argmax(dim=-1)
         sample_rows = [i for i in range(batch) if not greedy[i]]
         if sample_rows:
-            picked = self._sample_rows(x, params, generators, sample_rows)
+            picked = self._sample_rows(x, row_max, params, generators, sample_rows)
             rows_t = torch.tensor(sample_rows, device=device)
             tokens = tokens.index_put((rows_t,), picked)
 
-        token_list = tokens.tolist()
-        if not lp_rows:
-            return SampleOutput(token_ids=token_list)
-        logprobs, top = self._logprobs(x, params, lp_rows, tokens, batch)
-        return SampleOutput(token_ids=token_list, logprobs=logprobs, top_logprobs=top)
+        out = self._with_errors(tokens.tolist(), bad)
+        if lp_rows:
+            out.logprobs, out.top_logprobs = self._logprobs(x, params, lp_rows, tokens, batch)
+        return out
+
+    @staticmethod
+    def _with_errors(token_ids: list[int], bad: list[int]) -> SampleOutput:
+        if not bad:
+            return SampleOutput(token_ids=token_ids)
+        for i in bad:
+            token_ids[i] = -1
+        return SampleOutput(token_ids=token_ids, errors={i: NONFINITE_LOGITS for i in bad})
 
     # ------------------------------------------------------------------ penalties
     @staticmethod
@@ -89,7 +140,11 @@ class Sampler:
         histories: list[list[int]],
         rows: list[int],
     ) -> torch.Tensor:
-        """Frequency, presence and repetition penalties over generated tokens."""
+        """Frequency, presence and repetition penalties over generated tokens.
+
+        The repetition penalty is clamped into [TINY, HUGE] (0 or inf would make 0 * inf a
+        NaN) and the penalised rows into [-HUGE, HUGE], so a row stays finite whatever the
+        legal penalty values."""
         device, vocab = x.device, x.shape[1]
         n = len(rows)
         max_len = max(len(histories[i]) for i in rows)
@@ -104,26 +159,21 @@ class Sampler:
         counts.scatter_add_(1, ids.clamp_(0, vocab - 1), mask)
         seen = counts > 0
 
-        def col(name: str) -> torch.Tensor:
-            vals = [float(getattr(params[i], name)) for i in rows]
-            return torch.tensor(vals, dtype=torch.float32, device=device).unsqueeze(1)
-
-        rep, freq, pres = (
-            col("repetition_penalty"),
-            col("frequency_penalty"),
-            col("presence_penalty"),
-        )
+        rep = _col(params, rows, "repetition_penalty", device, lo=TINY)
+        freq = _col(params, rows, "frequency_penalty", device)
+        pres = _col(params, rows, "presence_penalty", device)
         rows_t = torch.tensor(rows, device=device)
         sub = x.index_select(0, rows_t)
         penalised = torch.where(sub > 0, sub / rep, sub * rep)
         sub = torch.where(seen, penalised, sub)
-        sub = sub - freq * counts - pres * seen.float()
+        sub = (sub - freq * counts - pres * seen.float()).clamp_(-HUGE, HUGE)
         return x.index_put((rows_t,), sub)
 
     # ------------------------------------------------------------------ sampling
     def _sample_rows(
         self,
         x: torch.Tensor,
+        row_max: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         rows: list[int],
@@ -132,8 +182,16 @@ class Sampler:
         device, vocab = x.device, x.shape[1]
         ps = [params[i] for i in rows]
         rows_t = torch.tensor(rows, device=device)
-        temps = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=device)
-        probs = torch.softmax(x.index_select(0, rows_t) / temps.unsqueeze(1), dim=-1)
+        temps = _col(params, rows, "temperature", device, lo=TINY)
+        sub = x.index_select(0, rows_t)
+        best = row_max.index_select(0, rows_t).unsqueeze(1)
+        if not math.isfinite((best / temps).abs().sum().item()):
+            # A small temperature would overflow the scaled logits: shift each row so its best
+            # logit is 0 first; dividing by any temperature in [TINY, HUGE] keeps it 0 (the
+            # rest <= 0), so the softmax never sees inf and the best token keeps a positive
+            # probability.
+            sub = sub - best
+        probs = torch.softmax(sub / temps, dim=-1)
 
         use_top_k = any(0 < p.top_k < vocab for p in ps)
         use_top_p = any(p.top_p < 1.0 for p in ps)
@@ -149,7 +207,8 @@ class Sampler:
                 probs = probs.masked_fill(pos >= ks.unsqueeze(1), 0.0)
             if use_top_p:
                 # Over the top-k survivors, renormalised: keep the smallest
-                # prefix whose mass reaches top_p; the top token always stays.
+                # prefix whose mass reaches top_p; the top token always stays (even a
+                # top_p that is 0 in float32).
                 top_ps = torch.tensor(
                     [p.top_p if p.top_p < 1.0 else float("inf") for p in ps],
                     dtype=torch.float32,
@@ -157,12 +216,15 @@ class Sampler:
                 )
                 total = probs.sum(dim=-1, keepdim=True)
                 mass_before = (probs.cumsum(dim=-1) - probs) / total
-                probs = probs.masked_fill(mass_before >= top_ps.unsqueeze(1), 0.0)
+                drop = mass_before >= top_ps.unsqueeze(1)
+                drop[:, 0] = False
+                probs = probs.masked_fill(drop, 0.0)
         if index_map is not None:
             # Back to vocabulary order, so a row's draw does not depend on
             # whether other rows in the batch needed sorting.
             probs = torch.zeros_like(probs).scatter_(1, index_map, probs)
         if use_min_p:
+            # min_p <= 1, so the most likely token is never below the threshold.
             min_ps = torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=device)
             thresh = probs.max(dim=-1, keepdim=True).values * min_ps.unsqueeze(1)
             probs = probs.masked_fill(probs < thresh, 0.0)
@@ -195,8 +257,11 @@ class Sampler:
         rows_t = torch.tensor(rows, device=device)
         sub = x.index_select(0, rows_t)
         if any(s != 1.0 for s in scale):
-            sub = sub / torch.tensor(scale, dtype=torch.float32, device=device).unsqueeze(1)
-        lp = torch.log_softmax(sub, dim=-1)
+            # Shift before scaling (as in sampling) so a tiny temperature cannot overflow.
+            temps = torch.tensor(scale, dtype=torch.float32, device=device).clamp_(TINY, HUGE)
+            sub = (sub - sub.amax(dim=-1, keepdim=True)) / temps.unsqueeze(1)
+        # -inf (a token with no probability left) becomes float32's lowest value: JSON has no inf.
+        lp = torch.log_softmax(sub, dim=-1).clamp_(min=-HUGE)
         chosen = lp.gather(1, tokens.index_select(0, rows_t).unsqueeze(1)).squeeze(1).tolist()
 
         logprobs: list[float | None] = [None] * batch

@@ -1,14 +1,18 @@
 """Per-request sampling parameters and their validation.
 
 Every check raises ``ValueError`` naming the field and its bound before the
-request is scheduled, so a bad request changes nothing in the engine.
+request is scheduled, so a bad request changes nothing in the engine. Numbers
+must be finite; values that are legal here but not representable in float32
+(a ``top_p`` of 5e-324) are clamped by the sampler, never rejected there.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 _GREEDY_EPS = 1e-6
+MAX_SEED = 2**64 - 1  # torch generators take an unsigned 64-bit seed
 
 
 @dataclass
@@ -80,6 +84,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
         if self.seed is not None:
             _check_int("seed", self.seed, lo=0)
+            if self.seed > MAX_SEED:
+                raise ValueError(f"seed must be <= {MAX_SEED} (64 bits), got {self.seed}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(s == "" for s in self.stop):
@@ -110,5 +116,11 @@ def _check_int(name: str, value, lo: int) -> None:
 def _check_num(name: str, value, lo: float | None = None, bound: str = "") -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
         raise ValueError(f"{name} must be a number, got {value!r}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        finite = False
+    if not finite:
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
     if lo is not None and value < lo:
         raise ValueError(f"{bound}, got {value}")

@@ -3,6 +3,9 @@
 The scheduler owns all engine state and is driven from one thread. Other
 threads talk to it only through ``submit`` (a thread-safe inbox drained between
 steps); results leave through the ``on_output`` callback.
+
+A step that raises fails its own batch and the loop goes on; repeated failures
+make the engine failed (see :mod:`radixray.engine.faults`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from radixray.engine.admission import (
     retraction_order,
 )
 from radixray.engine.config import EngineConfig
+from radixray.engine.faults import BATCH_FAULT_STATUS, ENGINE_FAILED_STATUS, StepFaults
 from radixray.engine.forward_batch import ForwardBatch
 from radixray.engine.kv_manager import KVManager
 from radixray.engine.model_runner import ModelRunner
@@ -77,6 +81,10 @@ class Scheduler:
         self.max_running_seen = 0  # peak number of requests decoding together (tests, logs)
         # Optional observer called with the scheduler after every step (tests, tracing).
         self.on_step: Callable[[Scheduler], None] | None = None
+        self.faults = StepFaults(config.max_consecutive_failed_steps)
+        # Called once, on the scheduler thread, with the reason when the engine fails.
+        self.on_failed: Callable[[str], None] | None = None
+        self._batch: list[Req] = []  # the requests of the step in flight
 
     # ---- ingest --------------------------------------------------------------------
     def submit(self, item) -> None:
@@ -97,6 +105,9 @@ class Scheduler:
 
     def _handle(self, item) -> None:
         if isinstance(item, list):
+            if self.faults.failed is not None:
+                self._fail(item, f"the engine failed: {self.faults.failed}", ENGINE_FAILED_STATUS)
+                return
             for req in item:
                 if req.sampling.seed is not None:
                     req.generator = torch.Generator(self.runner.device).manual_seed(req.sampling.seed)
@@ -116,11 +127,18 @@ class Scheduler:
         return bool(self.waiting or self.running or self.chunked_req)
 
     def run_forever(self, stop: Callable[[], bool]) -> None:
-        """Loop until ``stop()`` is true, sleeping on the inbox when idle."""
+        """Loop until ``stop()`` is true, sleeping on the inbox when idle. Returns only then:
+        a fault inside a step fails that step's batch; one outside any batch (taking in
+        commands, or failing a batch) leaves the engine in an unknown state, so it fails
+        the engine, and the loop goes on refusing requests and answering control calls."""
         while not stop():
-            self._ingest(block_s=0.0 if self.has_work else 0.05)
-            if self.has_work:
-                self.step()
+            try:
+                self._ingest(block_s=0.0 if self.has_work else 0.05)
+                if self.has_work:
+                    self.step()
+            except Exception as exc:  # noqa: BLE001 - the loop must outlive any fault
+                logger.exception("scheduler loop fault outside a batch")
+                self.fail_engine(f"the scheduler could not recover from {_describe(exc)}")
 
     def run_until_idle(self) -> None:
         """Drain the inbox and step until no request is left (in-process use and tests)."""
@@ -131,17 +149,78 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------
     def step(self) -> None:
-        items = self._build_prefill()
-        if items:
-            self._run_prefill(items)
-        elif self.running:
-            # A named range for profilers (bench offline); free when no profiler runs.
-            with torch.profiler.record_function("decode_step"):
-                self._run_decode()
-        if self.config.check_kv_conservation:
-            self.check_kv_conservation()
+        """One batch: prefill if one can be admitted, else decode. A fault while building,
+        running or processing it fails that batch's requests (status 500) and returns."""
+        self._batch = []
+        try:
+            items = self._build_prefill()
+            if items:
+                self._run_prefill(items)
+            elif self.running:
+                # A named range for profilers (bench offline); free when no profiler runs.
+                with torch.profiler.record_function("decode_step"):
+                    self._run_decode()
+            if self.config.check_kv_conservation:
+                self.check_kv_conservation()
+        except Exception as exc:  # noqa: BLE001 - one batch's fault must not stop the engine
+            self._on_step_fault(exc)
+        else:
+            self.faults.note_success()
+        self._batch = []
         if self.on_step is not None:
             self.on_step(self)
+
+    # ---- faults --------------------------------------------------------------------
+    def _on_step_fault(self, exc: Exception) -> None:
+        """Fail the step's batch; log the traceback once per distinct fault; count it."""
+        message = _describe(exc)
+        if message == self.faults.last_message:
+            logger.error("scheduler step failed again (%d in a row): %s",
+                         self.faults.consecutive + 1, message)
+        else:
+            logger.exception("scheduler step failed; its batch's requests end with an error")
+        give_up = self.faults.note_failure(message)
+        self._fail(self._batch, f"the engine failed this request's batch: {message}",
+                   BATCH_FAULT_STATUS)
+        if give_up:
+            self.fail_engine(give_up)
+
+    def fail_engine(self, reason: str) -> None:
+        """Stop serving: every held request and every later one ends with status 503, and
+        ``on_failed`` hears the reason once. Later calls keep the first reason."""
+        first = self.faults.failed is None
+        if first:
+            self.faults.failed = reason
+            logger.error("engine failed, refusing requests from now on: %s", reason)
+        held = self.waiting + self.running + ([self.chunked_req] if self.chunked_req else [])
+        self._fail(held, f"the engine failed: {self.faults.failed}", ENGINE_FAILED_STATUS)
+        if first and self.on_failed is not None:
+            self.on_failed(reason)
+
+    def _fail(self, reqs: list[Req], message: str, status: int) -> None:
+        """End every unfinished request of ``reqs`` with finish reason error and deliver all
+        of them (a request that finished normally in the failed step still gets its result).
+        Each request's KV goes back even when others' cannot."""
+        reqs = list(dict.fromkeys(reqs))
+        for req in reqs:
+            if req.finished:
+                continue
+            if req is self.chunked_req:
+                self.chunked_req = None
+            if req in self.waiting:
+                self.waiting.remove(req)
+            reason = FinishReason("error", message=message, status=status)
+            try:
+                self._finish(req, reason)
+            except Exception:  # noqa: BLE001 - its KV is lost, but the request still ends
+                logger.exception("could not return the KV of failed request %s", req.rid)
+                req.finish_reason = reason
+                if req in self.running:
+                    self.running.remove(req)
+        try:
+            self.on_output(reqs)
+        except Exception:  # noqa: BLE001 - a broken subscriber must not stop the loop
+            logger.exception("could not deliver the results of %d failed request(s)", len(reqs))
 
     def token_usage(self) -> tuple[int, float]:
         used = self.kv.pool_size - self.kv.available_tokens()
@@ -163,6 +242,7 @@ class Scheduler:
             req = self.chunked_req
             budget.add_chunk_continuation(req, req.seq_len - req.kv_len)
             in_batch.add(req)
+            self._batch.append(req)
         if budget.rem_chunk_tokens is not None and budget.rem_chunk_tokens <= 0:
             return self._allocate(budget.added)
         # lpm matches every waiting request to order them; reuse those matches below so a
@@ -210,6 +290,7 @@ class Scheduler:
             if req.admit_time is None:
                 req.admit_time = time.perf_counter()
             self.waiting.remove(req)
+            self._batch.append(req)
             in_batch.add(req)
             if result == AddResult.CHUNKED:
                 break
@@ -226,6 +307,7 @@ class Scheduler:
                     self.chunked_req = None
                 self.kv.release(req)
                 self.waiting.insert(0, req)
+                self._batch.remove(req)
                 continue
             items.append((req, n, slots))
         return items
@@ -233,6 +315,7 @@ class Scheduler:
     def _run_prefill(self, items) -> None:
         t0 = time.perf_counter()
         batch = self.runner.build_extend_batch([(r, n) for r, n, _ in items], [s for _, _, s in items])
+        self.faults.before_forward()
         logits = self.runner.forward(batch)
         new_reqs = [r for r, _, _ in items if r is not self.chunked_req]
         cached = sum(r.kv_len for r, _, _ in items)
@@ -243,7 +326,7 @@ class Scheduler:
         self.chunked_req = None
         done_rows, done_reqs = [], []
         for i, (req, n, _) in enumerate(items):
-            req.kv_len += n
+            req.commit_kv(n)
             if req.kv_len < req.seq_len:
                 self.kv.cache_unfinished(req)
                 self.chunked_req = req
@@ -265,13 +348,15 @@ class Scheduler:
         else:
             self.ratio.step()
         reqs = self.running
+        self._batch = list(reqs)
         slots = self.kv.extend_decode(reqs)
         batch: ForwardBatch = self.runner.build_decode_batch(reqs, slots)
+        self.faults.before_forward()
         logits = self.runner.forward(batch)
         self.stats.forward_steps += 1
         self.stats.note_decode(len(reqs))
         for r in reqs:
-            r.kv_len += 1
+            r.commit_kv(1)
         self._sample_and_process(logits, list(reqs), prefill=False)
         if self.stats.decode_steps % self.config.decode_log_interval == 0:
             used, usage = self.token_usage()
@@ -339,7 +424,13 @@ class Scheduler:
         if reqs:
             out = self.sampler.sample(logits, [r.sampling for r in reqs],
                                       [r.generator for r in reqs], [r.output_ids for r in reqs])
+            errors = out.errors or {}
             for i, (req, token) in enumerate(zip(reqs, out.token_ids)):
+                if i in errors:
+                    logger.warning("request %s failed: %s", req.rid, errors[i])
+                    self._finish(req, FinishReason("error", message=errors[i],
+                                                   status=BATCH_FAULT_STATUS))
+                    continue
                 req.output_ids.append(token)
                 if req.first_token_time is None:
                     req.first_token_time = now
@@ -355,7 +446,7 @@ class Scheduler:
                     # ends, so requests arriving meanwhile with the same prefix hit it.
                     self.kv.cache_unfinished(req)
                     self.running.append(req)
-            self.stats.generation_tokens += len(reqs)
+            self.stats.generation_tokens += len(reqs) - len(errors)
         if not prefill:
             self.running = [r for r in self.running if not r.finished]
         self.max_running_seen = max(self.max_running_seen, len(self.running))
@@ -395,3 +486,9 @@ class Scheduler:
             self.on_output([req])
             return True
         return False
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` of an exception, for logs and the error a client sees."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from serving_helpers import free_port, metric, serve_app, start_local_ray, tiny_config
+from serving_helpers import free_port, metric, served, tiny_config
 
 USERS, TURNS = 8, 4
 RESTART_DEADLINE_S = 30.0
@@ -21,18 +21,12 @@ CONFIG: dict = {}
 
 @pytest.fixture(scope="module")
 def fleet(tiny_llama_dir):
-    import ray
-    from ray import serve
-    start_local_ray()
     CONFIG.update(tiny_config(tiny_llama_dir, free_port()))
     CONFIG["fleet"] = {"workers": 2, "health_check_interval_s": 0.5,
                        "owner_timeout_s": OWNER_TIMEOUT_S}
     CONFIG["router"] = {"retry_backoff_s": 0.05}
-    try:
-        yield serve_app(CONFIG)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with served(CONFIG) as base:
+        yield base
 
 
 def _controller():

@@ -9,8 +9,7 @@ from serving_helpers import (
     assert_disconnect_returns_kv,
     free_port,
     metric,
-    serve_app,
-    start_local_ray,
+    served,
     tiny_config,
 )
 
@@ -21,17 +20,10 @@ PROMPTS = ["the cat sat", "hello world, the quick brown fox", "a b c"]
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    import ray
-    from ray import serve
-    start_local_ray()
-    try:
-        base = serve_app(tiny_config(tiny_llama_dir, free_port()))
+    with served(tiny_config(tiny_llama_dir, free_port())) as base:
         yield base
         kv = httpx.get(f"{base}/debug/kv_conservation", timeout=60).json()["worker-0"]
         assert kv["running"] == 0 and kv["waiting"] == 0
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

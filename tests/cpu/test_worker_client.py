@@ -3,7 +3,8 @@
 Covers what is hard to provoke on a real cluster: a health probe that times out
 cancels its request on the worker; a worker that dies mid-request ends the
 request with an error instead of hanging it; a request that fails before its
-first token is retried on another worker, and the router hears every outcome.
+first token is retried on another worker (unless its own batch failed), and the
+router hears every outcome.
 """
 
 import asyncio
@@ -31,7 +32,8 @@ class _Method:
 class FakeWorker:
     """Speaks the EngineWorker channel protocol. ``on_submit`` decides what a submit does:
     "silent" (never answers), "die" (the process dies), "token_then_die", "finish",
-    "draining" (refuses)."""
+    "draining" (refuses), "engine_failed" / "batch_fault" (the engine ends the request
+    with an error update, status 503 / 500)."""
 
     def __init__(self, on_submit: str = "silent"):
         self.aborted: list[list[str]] = []
@@ -62,6 +64,10 @@ class FakeWorker:
             self.outbox.put_nowait([{"rid": rid, "ids": [7]} for rid in rids])
         if self.on_submit in ("die", "token_then_die"):
             self.outbox.put_nowait(RuntimeError("worker process died"))
+        for mode, status in (("engine_failed", 503), ("batch_fault", 500)):
+            if self.on_submit == mode:
+                self.outbox.put_nowait([{"rid": rid, "ids": [], "error": f"{mode} here",
+                                         "status": status, "meta": {"id": rid}} for rid in rids])
         if self.on_submit == "finish":
             self.outbox.put_nowait([{"rid": rid, "ids": [7, 8], "meta": {"id": rid}}
                                     for rid in rids])
@@ -178,3 +184,20 @@ def test_no_worker_at_submit_is_a_503():
     with pytest.raises(ApiError) as err:
         asyncio.run(main())
     assert err.value.status == 503 and err.value.code == "draining"
+
+
+def test_a_failed_engine_before_the_first_token_is_retried_elsewhere():
+    fe, router = _frontend(FakeWorker("engine_failed"), FakeWorker("finish"))
+    choice = _run(fe)
+    assert choice.error is None and choice.meta["worker_id"] == "w1"
+    assert router.released == [("w0", False), ("w1", True)]
+
+
+def test_a_batch_fault_is_a_500_and_not_retried():
+    """The request may have caused its batch's fault: another worker would fail it too."""
+    fe, router = _frontend(FakeWorker("batch_fault"), FakeWorker("finish"))
+    choice = _run(fe)
+    assert choice.error == "batch_fault here" and choice.error_status == 500
+    assert [w for w, _ in router.picks] == ["w0"] and router.released == [("w0", False)]
+    err = choice.api_error()
+    assert err.status == 500 and err.body()["error"]["type"] == "server_error"
