@@ -21,6 +21,6 @@ def __getattr__(name: str):
         from radixray.engine.sampling import SamplingParams
         return SamplingParams
     if name == "build_app":
-        from radixray.cluster.builder import build_app
+        from radixray.serve.builder import build_app
         return build_app
     raise AttributeError(f"module 'radixray' has no attribute {name!r}")

@@ -9,30 +9,17 @@ import sys
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help="'default' (SmolLM2-135M GGUF), an HF folder or a .gguf")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--quantization", default=None, choices=["w8a8_int8"],
-                   help="int8 weights and activations for the linear layers (CPU)")
-    p.add_argument("--quantize-lm-head", action="store_true",
-                   help="with --quantization w8a8_int8: the lm_head too (faster decode, some quality cost)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8_e5m2"])
-    p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
-    p.add_argument("--mem-fraction-static", type=float, default=0.3)
-    p.add_argument("--chunked-prefill-size", type=int, default=2048)
-    p.add_argument("--max-running-requests", type=int, default=None)
-    p.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"])
-    p.add_argument("--disable-radix-cache", action="store_true")
+    """Every EngineConfig option as a flag, with its default (see engine/options.py)."""
+    from radixray.engine import options
+    from radixray.engine.config import EngineConfig
+    options.add_flags(p, EngineConfig, with_defaults=True)
     p.add_argument("--log-level", default="info")
 
 
 def _engine_options(args) -> dict:
-    return dict(model=args.model, dtype=args.dtype, quantization=args.quantization,
-                quantize_lm_head=args.quantize_lm_head, kv_cache_dtype=args.kv_cache_dtype,
-                max_total_tokens=args.max_total_tokens,
-                mem_fraction_static=args.mem_fraction_static,
-                chunked_prefill_size=args.chunked_prefill_size,
-                max_running_requests=args.max_running_requests,
-                schedule_policy=args.schedule_policy, disable_radix_cache=args.disable_radix_cache)
+    from radixray.engine import options
+    from radixray.engine.config import EngineConfig
+    return options.from_flags(args, EngineConfig)
 
 
 def _setup_logging(level: str) -> None:
@@ -56,7 +43,7 @@ def cmd_generate(args) -> int:
 
 def cmd_bench_offline(args) -> int:
     from radixray.bench.offline import run_offline_bench
-    run_offline_bench(args)
+    run_offline_bench(args, _engine_options(args))
     return 0
 
 
@@ -64,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="radixray", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from radixray.cluster import serve_cli
+    from radixray.serve import serve_cli
     serve_cli.add_parser(sub)
 
     gen = sub.add_parser("generate", help="run one prompt in-process and print the answer")

@@ -64,18 +64,16 @@ def python_overhead(engine, batch: int, ctx: int, steps: int = 8) -> dict:
             "ops_per_step": len(ops) / len(step_events)}
 
 
-def run_offline_bench(args) -> dict:
+def run_offline_bench(args, engine_options: dict) -> dict:
+    """``engine_options``: the EngineConfig flags given; the pool and the running-request
+    limit default to what the largest batch needs."""
     from radixray import Engine
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     max_batch = max(batch_sizes)
     pool = args.max_total_tokens or max(
         max_batch * (args.context_len + args.decode_steps + 2), args.prefill_prompts * (args.prefill_len + 2)) + 64
-    engine = Engine(model=args.model, dtype=args.dtype, quantization=args.quantization,
-                    quantize_lm_head=args.quantize_lm_head,
-                    kv_cache_dtype=args.kv_cache_dtype,
-                    max_total_tokens=pool,
-                    chunked_prefill_size=args.chunked_prefill_size,
-                    max_running_requests=max(max_batch, args.max_running_requests or 0))
+    engine = Engine(**{**engine_options, "max_total_tokens": pool,
+                       "max_running_requests": max(max_batch, args.max_running_requests or 0)})
     cost = ModelCost.of(engine.runner.model, engine.runner.bytes_per_token)
     dtype = engine.runner.dtype
     results: dict = {"model": args.model, "dtype": str(dtype).removeprefix("torch."),

@@ -6,63 +6,68 @@ with lines like ``engine.chunked_prefill_size: Input should be a valid integer``
 
 from __future__ import annotations
 
-from dataclasses import fields
-from typing import Literal
+import dataclasses
+from typing import ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
-from radixray.cluster.routing import PolicyName, RouterSettings
-from radixray.engine.config import DEVICE_PATTERN, EngineConfig
+from radixray.cluster.routing import RouterSettings
+from radixray.engine import options
+from radixray.engine.config import EngineConfig
 
 
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of bounds."""
 
 
-class EngineSection(BaseModel):
-    """Start-up options of each worker's engine (see radixray.engine.config.EngineConfig)."""
+class _DataclassSection(BaseModel):
+    """A config section derived from an options dataclass (see :func:`section_for`): the
+    fields' types and bounds are checked here, with the field's name in the error; the
+    dataclass itself then checks what spans fields."""
 
     model_config = ConfigDict(extra="forbid")
-
-    model: str = "default"
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    device: str = Field("cpu", pattern=DEVICE_PATTERN)  # cuda needs server.worker_num_gpus
-    quantization: Literal["w8a8_int8"] | None = None
-    quantize_lm_head: bool = False  # w8a8_int8 only: the lm_head as an int8 GEMM too
-    kv_cache_dtype: Literal["auto", "bfloat16", "fp8_e5m2"] = "auto"
-    mem_fraction_static: float = Field(0.3, gt=0, lt=1)
-    max_total_tokens: int | None = Field(None, ge=2)
-    chunked_prefill_size: int | None = 2048
-    max_prefill_tokens: int = Field(16384, ge=1)
-    max_running_requests: int | None = Field(None, ge=1)
-    context_length: int | None = Field(None, ge=2)
-    schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
-    schedule_conservativeness: float = Field(1.0, gt=0)
-    enable_priority_scheduling: bool = False
-    disable_radix_cache: bool = False
-    radix_eviction_policy: Literal["lru", "lfu"] = "lru"
-    attention_backend: str = "auto"
-    cpu_kernels: bool = True
-    num_threads: int | None = Field(None, ge=1)
-    decode_log_interval: int = Field(40, ge=1)
-    stream_interval: int = Field(1, ge=1)
-    random_seed: int = 0
-    check_kv_conservation: bool = False
-    # a fault in this many scheduler steps in a row marks the engine failed and the worker
-    # is restarted
-    max_consecutive_failed_steps: int = Field(3, ge=1)
+    _options_class: ClassVar[type]
 
     @model_validator(mode="after")
-    def _lm_head_needs_int8(self) -> EngineSection:
-        if self.quantize_lm_head and self.quantization != "w8a8_int8":
-            raise ValueError("quantize_lm_head needs quantization: w8a8_int8")
+    def _cross_field_checks(self):
+        self.options()
         return self
 
+    def options(self):
+        """The section's options as their dataclass (fields of this section's own, like the
+        router's retry knobs, are left out)."""
+        names = {f.name for f in dataclasses.fields(self._options_class)}
+        return self._options_class(**{k: v for k, v in self.model_dump().items() if k in names})
+
+
+def section_for(cls: type, name: str, doc: str, base: type = _DataclassSection,
+                skip: tuple[str, ...] = ()) -> type[BaseModel]:
+    """A pydantic model with one field per option of dataclass ``cls`` (declared with
+    :func:`radixray.engine.options.option`): same defaults, descriptions and bounds."""
+    fields: dict = {}
+    for f, kind, optional in options.spec(cls):
+        if f.name in skip:
+            continue
+        m = f.metadata
+        if m.get("choices") is not None:
+            kind = Literal[tuple(c for c in m["choices"] if c is not None)]
+        ann = kind | None if optional else kind
+        fields[f.name] = (ann, Field(f.default, description=m["help"], ge=m["ge"], gt=m["gt"],
+                                     le=m["le"], lt=m["lt"], pattern=m["pattern"]))
+    model = create_model(name, __base__=base, __doc__=doc, **fields)
+    model._options_class = cls
+    return model
+
+
+class _EngineBase(_DataclassSection):
     def engine_options(self) -> dict:
         """Keyword arguments for radixray.Engine (every key is an EngineConfig field)."""
-        known = {f.name for f in fields(EngineConfig)}
-        return {k: v for k, v in self.model_dump().items() if k in known}
+        return self.model_dump()
+
+
+EngineSection = section_for(EngineConfig, "EngineSection", "Start-up options of each worker's "
+                            "engine (radixray.engine.config.EngineConfig).", base=_EngineBase)
 
 
 class ServerSection(BaseModel):
@@ -73,7 +78,7 @@ class ServerSection(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     route_prefix: str = "/"
-    # where HTTP enters a Ray instance `radixray serve` starts itself (see cluster/ingress_mode.py):
+    # where HTTP enters a Ray instance `radixray serve` starts itself (see serve/ingress_mode.py):
     # direct (into the ingress replica), proxy (through Serve's proxy actor), auto (direct for
     # one ingress replica)
     ingress: Literal["auto", "direct", "proxy"] = "auto"
@@ -107,28 +112,20 @@ class FleetSection(BaseModel):
     owner_timeout_s: float = Field(30.0, gt=0)
 
 
-class RouterSection(BaseModel):
-    """Which worker a request goes to, and what happens when that worker fails."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    policy: PolicyName = "cache_aware"
-    cache_threshold: float = Field(0.3, ge=0, le=1)
-    balance_abs_threshold: int = Field(64, ge=0)
-    balance_rel_threshold: float = Field(1.5, ge=1)
-    max_tree_size: int = Field(2 ** 26, ge=1)  # characters per worker
-    eviction_interval_s: float = Field(120.0, gt=0)
-    session_affinity: bool = True  # the X-Session-Id header pins a conversation to a worker
-    max_sessions: int = Field(100_000, ge=1)
-    retry_max_attempts: int = Field(3, ge=1)
-    retry_backoff_s: float = Field(0.1, ge=0)  # doubles per retry, capped at 2 s
-    circuit_failure_threshold: int = Field(5, ge=1)
-    circuit_cooldown_s: float = Field(30.0, gt=0)
+class _RouterBase(_DataclassSection):
+    # The retry knobs belong to the ingress's dispatcher, not to the routing core.
+    retry_max_attempts: int = Field(3, ge=1, description="attempts to place a request that "
+                                    "failed before its first token, on different workers")
+    retry_backoff_s: float = Field(0.1, ge=0, description="sleep before a retry; doubles per "
+                                   "retry, capped at 2 s")
 
     def settings(self) -> RouterSettings:
-        """The routing core's settings (the retry knobs belong to the ingress, not the router)."""
-        keep = {f for f in RouterSettings.__dataclass_fields__}
-        return RouterSettings(**{k: v for k, v in self.model_dump().items() if k in keep})
+        """The routing core's settings."""
+        return self.options()
+
+
+RouterSection = section_for(RouterSettings, "RouterSection", "Which worker a request goes to, "
+                            "and what happens when that worker fails.", base=_RouterBase)
 
 
 class ServeConfig(BaseModel):

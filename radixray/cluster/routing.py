@@ -23,6 +23,8 @@ from typing import Literal
 
 from radixray.cluster.circuit import CircuitBreaker
 from radixray.cluster.prefix_tree import PrefixTree
+from radixray.engine import options
+from radixray.engine.options import option
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 PolicyName = Literal[POLICIES]  # for pydantic schemas (config, admin endpoint)
@@ -39,34 +41,32 @@ def _check_policy(policy: str) -> None:
 
 @dataclass
 class RouterSettings:
-    """Router knobs; the defaults are sgl-model-gateway's. Invalid values raise ValueError
-    naming the field."""
+    """Router knobs, declared once (the serve schema's ``router:`` section is derived from
+    them); the defaults are sgl-model-gateway's. Invalid values raise ValueError naming the
+    field."""
 
-    policy: str = "cache_aware"
-    # cache_aware: a match rate (matched chars / request chars) above this routes by cache.
-    cache_threshold: float = 0.3
-    # cache_aware: imbalanced when max-min load > abs AND max load > rel * min load.
-    balance_abs_threshold: int = 64
-    balance_rel_threshold: float = 1.5
-    # cache_aware: chars of tree each worker may hold; enforced by maybe_evict.
-    max_tree_size: int = 2**26
-    eviction_interval_s: float = 120.0
-    session_affinity: bool = True
-    max_sessions: int = 100_000
-    circuit_failure_threshold: int = 5
-    circuit_cooldown_s: float = 30.0
+    policy: str = option("cache_aware", "how requests are spread over the workers",
+                         choices=POLICIES)
+    cache_threshold: float = option(0.3, "cache_aware: a match rate (matched chars / request "
+                                    "chars) above this routes by cache", ge=0.0, le=1.0)
+    balance_abs_threshold: int = option(64, "cache_aware: imbalanced when max - min in-flight "
+                                        "load exceeds this (and the relative threshold)", ge=0)
+    balance_rel_threshold: float = option(1.5, "cache_aware: ... and the max load exceeds this "
+                                          "times the min", ge=1.0)
+    max_tree_size: int = option(2**26, "cache_aware: characters of prefix tree per worker",
+                                ge=1)
+    eviction_interval_s: float = option(120.0, "seconds between prefix tree evictions", gt=0.0)
+    session_affinity: bool = option(True, "the X-Session-Id header pins a conversation to a "
+                                    "worker")
+    max_sessions: int = option(100_000, "sessions remembered for affinity (LRU)", ge=1)
+    circuit_failure_threshold: int = option(5, "consecutive failures that open a worker's "
+                                            "circuit (skipped for the cooldown)", ge=1)
+    circuit_cooldown_s: float = option(30.0, "seconds a worker with an open circuit is "
+                                       "skipped", gt=0.0)
 
     def __post_init__(self) -> None:
-        _check_policy(self.policy)
-        if not 0.0 <= self.cache_threshold <= 1.0:
-            raise ValueError(f"cache_threshold must be in [0, 1]; got {self.cache_threshold!r}")
-        for name in ("balance_abs_threshold", "balance_rel_threshold", "max_tree_size",
-                     "eviction_interval_s", "circuit_cooldown_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0; got {getattr(self, name)!r}")
-        for name in ("max_sessions", "circuit_failure_threshold"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)!r}")
+        _check_policy(self.policy)  # the message lists every policy
+        options.validate(self)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from radixray.engine.attention import create_attention_backend
 from radixray.engine.config import EngineConfig
 from radixray.engine.forward_batch import ForwardBatch, ForwardMode
 from radixray.engine.hugepages import pack_parameters_into_huge_pages
@@ -14,7 +15,6 @@ from radixray.engine.loader import ModelSource
 from radixray.engine.memory import KVPool, ReqToTokenPool, TokenSlotAllocator, kv_bytes_per_token
 from radixray.engine.models import model_class_for
 from radixray.engine.request import Req
-from radixray.kernels.attention import create_attention_backend
 from radixray.kernels.cpu_ops import CpuKernels
 from radixray.kernels.int8_linear import quantize_linears
 

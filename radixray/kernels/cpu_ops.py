@@ -4,13 +4,16 @@ The same extension carries the quantize / rescale halves of the int8 linear
 (csrc/int8_ops.cpp, used by ``int8_linear.Int8Linear``).
 
 The extension is compiled on first use with torch's cpp_extension (cached under
-~/.cache/torch_extensions, about a minute once per machine). Where it cannot be
-built (no compiler, no AVX2) or an input is not fp32 on the CPU, every op falls
-back to its reference, and the choice is logged once.
+~/.cache/radixray/torch_extensions, one folder per source tree and torch version,
+about a minute once per machine and checkout). Where it cannot be built (no
+compiler, no AVX2) or an input is not fp32 on the CPU, every op falls back to its
+reference, and the choice is logged once.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import logging
 import os
 import threading
@@ -47,14 +50,49 @@ def load_extension():
                 "cpu_ops.cpp", "attention.cpp", "attention_amx.cpp", "decode_avx512.cpp", "int8_ops.cpp",
                 "int8_vnni.cpp", "kv_store.cpp")]
             logger.info("Loading radixray CPU kernels (compiled once per machine, ~1 min)")
-            load(name="radixray_cpu_ops", sources=sources,
-                 extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
-                 extra_ldflags=["-fopenmp"], verbose=False)
+            build_dir = _build_directory(csrc)
+            with _build_lock(build_dir):
+                load(name="radixray_cpu_ops", sources=sources, build_directory=build_dir,
+                     extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+                     extra_ldflags=["-fopenmp"], verbose=False)
             _ext = torch.ops.radixray
         except Exception as exc:  # no compiler / headers: stay correct, just slower
             logger.warning("radixray CPU kernels unavailable (%s); using torch ops", exc)
             _ext = None
         return _ext
+
+
+def _build_directory(csrc: str) -> str:
+    """One build folder per source tree and torch version: two checkouts on one machine
+    (a work tree and CI's clone) then never rebuild over each other."""
+    key = hashlib.sha1(f"{os.path.realpath(csrc)}|{torch.__version__}".encode()).hexdigest()[:12]
+    root = os.environ.get("RADIXRAY_CACHE_DIR", os.path.expanduser("~/.cache/radixray"))
+    path = os.path.join(root, "torch_extensions", f"radixray_cpu_ops-{key}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+class _build_lock:
+    """An exclusive ``flock`` on the build folder while torch builds or loads there. The
+    kernel drops it when its holder dies, so unlike torch's own lock file (left behind
+    by a process killed mid-build, after which every later load waits forever) it cannot
+    go stale; holding it, a leftover torch lock file is known to be stale and removed."""
+
+    def __init__(self, build_dir: str):
+        self.build_dir = build_dir
+
+    def __enter__(self):
+        self.file = open(os.path.join(self.build_dir, "radixray.flock"), "w")
+        fcntl.flock(self.file, fcntl.LOCK_EX)
+        stale = os.path.join(self.build_dir, "lock")
+        if os.path.exists(stale):
+            logger.warning("removing a stale build lock left by a killed process: %s", stale)
+            os.remove(stale)
+        return self
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.file, fcntl.LOCK_UN)
+        self.file.close()
 
 
 # ---- references -------------------------------------------------------------------------

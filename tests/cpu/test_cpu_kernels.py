@@ -120,3 +120,17 @@ def test_rotary_on_a_strided_view(tokens, heads, dim):
     pos = torch.randint(0, 100, (tokens,))
     torch.testing.assert_close(ext.rotary(x, pos, cos, sin), cpu_ops.rotary_ref(x, pos, cos, sin),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load():
+    """torch's cpp_extension waits forever on the lock file of a builder that was killed
+    (an actor killed while compiling, say); the next load must clear it and go on."""
+    import os
+    import subprocess
+    import sys
+    csrc = os.path.join(os.path.dirname(cpu_ops.__file__), "csrc")
+    stale = os.path.join(cpu_ops._build_directory(csrc), "lock")
+    open(stale, "w").close()
+    code = "from radixray.kernels.cpu_ops import load_extension; assert load_extension() is not None"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=900)
+    assert not os.path.exists(stale)

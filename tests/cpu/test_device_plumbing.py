@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from radixray.engine.attention import TorchAttention, create_attention_backend
 from radixray.engine.config import EngineConfig
 from radixray.engine.forward_batch import ForwardBatch, ForwardMode
 from radixray.engine.memory import KVPool, ReqToTokenPool
-from radixray.kernels.attention import TorchAttention, create_attention_backend
 
 
 def test_device_is_validated():

@@ -31,7 +31,7 @@ def fleet(tiny_llama_dir):
 
 def _controller():
     from radixray.cluster.config import ServeConfig
-    from radixray.cluster.fleet import find_controller
+    from radixray.serve.fleet import find_controller
     return find_controller(ServeConfig.parse(CONFIG))
 
 

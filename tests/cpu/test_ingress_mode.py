@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from radixray.cluster.ingress_mode import plan_ingress, resolve_mode
+from radixray.serve.ingress_mode import plan_ingress, resolve_mode
 
 
 def test_auto_is_direct_for_one_ingress_replica_and_proxy_for_several():
@@ -51,7 +51,7 @@ def test_serve_reads_the_plan_when_it_is_imported():
 
 
 def test_prepare_local_ray_sets_a_tolerant_proxy_readiness(monkeypatch):
-    from radixray.cluster.ingress_mode import LOCAL_PROXY_READY_TIMEOUT_S, prepare_local_ray
+    from radixray.serve.ingress_mode import LOCAL_PROXY_READY_TIMEOUT_S, prepare_local_ray
     env = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "7"}
     monkeypatch.setattr(os, "environ", env)  # nothing leaks into this test process's Ray
     plan = plan_ingress("proxy", 8200, 1, "127.0.0.1")
@@ -65,7 +65,7 @@ def test_prepare_local_ray_sets_a_tolerant_proxy_readiness(monkeypatch):
 def test_direct_ingress_is_refused_once_serve_was_imported_without_it(monkeypatch):
     import ray.serve  # noqa: F401 - imported here without the direct-ingress variables
 
-    from radixray.cluster.ingress_mode import prepare_local_ray
+    from radixray.serve.ingress_mode import prepare_local_ray
     env: dict = {}
     monkeypatch.setattr(os, "environ", env)
     with pytest.raises(RuntimeError, match="before ray.serve is imported"):
@@ -76,7 +76,7 @@ def test_direct_ingress_is_refused_once_serve_was_imported_without_it(monkeypatc
 def test_serve_start_is_retried_when_its_proxy_was_replaced():
     import ray
 
-    from radixray.cluster.serve_cli import start_serve
+    from radixray.serve.serve_cli import start_serve
 
     class FlakyServe:
         calls = 0

@@ -37,6 +37,15 @@ def _check_direct_ingress_serving(base: str) -> None:
     assert_disconnect_returns_kv(base)
 
 
+def _wait_for_line(path, text: str, proc, timeout: float = 300) -> None:
+    """Until ``text`` is in the log at ``path``; fails if the process exits first."""
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text():
+        assert proc.poll() is None, f"exited {proc.returncode}: {path.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {text!r} in {timeout} s"
+        time.sleep(0.1)
+
+
 def test_sigterm_drains_in_flight_request_then_exits_zero(tiny_llama_dir, tmp_path):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -47,6 +56,9 @@ def test_sigterm_drains_in_flight_request_then_exits_zero(tiny_llama_dir, tmp_pa
          "--served-model-name", "tiny"], stdout=log, stderr=subprocess.STDOUT, env=ENV)
     try:
         wait_ready(base)
+        # The CLI prints its ready line after its own /ready poll sees 200, which can come
+        # after ours: a SIGTERM before it would (rightly) skip the line this test reads.
+        _wait_for_line(tmp_path / "serve.log", "radixray is ready", proc)
         _check_direct_ingress_serving(base)
         result = {}
 

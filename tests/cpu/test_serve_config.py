@@ -2,9 +2,9 @@
 
 import pytest
 
-from radixray.cluster.builder import resolve_config
 from radixray.cluster.config import ConfigError, ServeConfig
-from radixray.cluster.serve_cli import config_from_args, run_argv  # noqa: F401 - import check
+from radixray.serve.builder import resolve_config
+from radixray.serve.serve_cli import config_from_args, run_argv  # noqa: F401 - import check
 
 DEFAULT_YAML = "configs/serve/default.yaml"
 
@@ -50,7 +50,7 @@ def test_cuda_engine_with_a_gpu_per_worker():
 def test_cli_flags_override_yaml(tmp_path):
     import argparse
 
-    from radixray.cluster import serve_cli
+    from radixray.serve import serve_cli
     parser = argparse.ArgumentParser()
     serve_cli.add_parser(parser.add_subparsers())
     args = parser.parse_args(["serve", "--config", DEFAULT_YAML, "--port", "8123",

@@ -40,7 +40,7 @@ def _worker():
     import ray
 
     from radixray.cluster.config import ServeConfig
-    from radixray.cluster.fleet import find_controller
+    from radixray.serve.fleet import find_controller
     controller = find_controller(ServeConfig.parse(CONFIG))
     return ray.get(controller.worker.remote("worker-0"))["handle"]
 

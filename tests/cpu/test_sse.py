@@ -6,7 +6,7 @@ import json
 
 import httpx
 
-from radixray.cluster.openai_serving import SSE_DONE, sse
+from radixray.serve.openai_serving import SSE_DONE, sse
 
 
 def test_event_stays_on_one_line_for_splitlines_clients():

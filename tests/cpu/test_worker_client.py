@@ -12,10 +12,10 @@ import asyncio
 import pytest
 from model_fixtures import byte_bpe_tokenizer
 
-from radixray.cluster.dispatch import Dispatcher
 from radixray.cluster.errors import WorkerDraining
-from radixray.cluster.frontend import ApiError, Frontend
 from radixray.cluster.routing import NoWorkerAvailable
+from radixray.serve.dispatch import Dispatcher
+from radixray.serve.frontend import ApiError, Frontend
 
 
 class _Method:

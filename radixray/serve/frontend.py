@@ -12,9 +12,9 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from radixray.cluster.dispatch import Dispatcher, ids_route_text
 from radixray.cluster.errors import WorkerDraining, WorkerUnavailable
 from radixray.engine.detokenizer import IncrementalDetokenizer
+from radixray.serve.dispatch import Dispatcher, ids_route_text
 
 
 class ApiError(Exception):

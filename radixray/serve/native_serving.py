@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from radixray.cluster.frontend import ApiError, Choice, Frontend
-from radixray.cluster.openai_serving import SSE_DONE, sse
-from radixray.cluster.protocol import GenerateRequest
 from radixray.engine.inputs import to_sampling_params
+from radixray.serve.frontend import ApiError, Choice, Frontend
+from radixray.serve.openai_serving import SSE_DONE, sse
+from radixray.serve.protocol import GenerateRequest
 
 WEIGHT_VERSION = "default"
 

@@ -18,7 +18,7 @@ def build_app(config=None):
     sections), or None for defaults. A ``config_file`` key loads that YAML first
     and the rest of the dict overrides it. Raises ConfigError naming bad fields.
     """
-    from radixray.cluster.ingress import ingress_deployment
+    from radixray.serve.ingress import ingress_deployment
     cfg = resolve_config(config)
     return ingress_deployment(cfg).bind(cfg.model_dump())
 

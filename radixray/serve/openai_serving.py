@@ -10,8 +10,8 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from radixray.cluster.frontend import ApiError, Choice, Frontend
-from radixray.cluster.protocol import ChatCompletionRequest, CompletionRequest
+from radixray.serve.frontend import ApiError, Choice, Frontend
+from radixray.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 

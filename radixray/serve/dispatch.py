@@ -30,8 +30,8 @@ from collections.abc import AsyncIterator
 
 from radixray.cluster.errors import WorkerDraining, WorkerUnavailable, unwrap_ray_error
 from radixray.cluster.routing import NoWorkerAvailable
-from radixray.cluster.worker_client import WorkerClient
 from radixray.engine.faults import BATCH_FAULT_STATUS
+from radixray.serve.worker_client import WorkerClient
 
 logger = logging.getLogger("radixray.ingress")
 

@@ -21,10 +21,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 
-from radixray.cluster import native_serving, openai_serving
 from radixray.cluster.config import ServeConfig
-from radixray.cluster.frontend import ApiError, Frontend, api_error_from
-from radixray.cluster.protocol import (
+from radixray.serve import native_serving, openai_serving
+from radixray.serve.frontend import ApiError, Frontend, api_error_from
+from radixray.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
@@ -90,10 +90,10 @@ class Ingress:
     def __init__(self, config: dict):
         import ray
 
-        from radixray.cluster.dispatch import Dispatcher
-        from radixray.cluster.fleet import find_router, get_or_create_controller, start_heartbeats
         from radixray.cluster.metrics import FleetCollector
         from radixray.engine.loader import resolve_model
+        from radixray.serve.dispatch import Dispatcher
+        from radixray.serve.fleet import find_router, get_or_create_controller, start_heartbeats
 
         self.cfg = ServeConfig.parse(config)
         logging.basicConfig(level=self.cfg.server.log_level.upper(),

@@ -1,7 +1,8 @@
 """``radixray serve``: start (or join) Ray, deploy the app, wait for SIGTERM, drain, exit 0.
 
-Flags cover the common options; everything else comes from ``--config`` YAML
-(validated by ServeConfig). A flag given on the command line overrides the file.
+Every engine option is a flag (derived from EngineConfig), plus the common server, fleet
+and router settings; everything else comes from ``--config`` YAML (validated by
+ServeConfig). A flag given on the command line overrides the file.
 """
 
 from __future__ import annotations
@@ -14,22 +15,14 @@ import threading
 import time
 
 from radixray.cluster.routing import POLICIES
+from radixray.engine import options
+from radixray.engine.config import EngineConfig
 
 logger = logging.getLogger("radixray.serve")
 
-# flag -> (section, field)
+# flag -> (section, field) for the flags that are not engine options (those are derived from
+# EngineConfig: every option is a flag of the same name, see engine/options.py)
 _FLAG_FIELDS = {
-    "model": ("engine", "model"), "dtype": ("engine", "dtype"),
-    "quantization": ("engine", "quantization"), "quantize_lm_head": ("engine", "quantize_lm_head"),
-    "kv_cache_dtype": ("engine", "kv_cache_dtype"),
-    "mem_fraction_static": ("engine", "mem_fraction_static"),
-    "max_total_tokens": ("engine", "max_total_tokens"),
-    "chunked_prefill_size": ("engine", "chunked_prefill_size"),
-    "context_length": ("engine", "context_length"),
-    "schedule_policy": ("engine", "schedule_policy"),
-    "max_running_requests": ("engine", "max_running_requests"),
-    "disable_radix_cache": ("engine", "disable_radix_cache"),
-    "stream_interval": ("engine", "stream_interval"),
     "host": ("server", "host"), "port": ("server", "port"),
     "served_model_name": ("server", "served_model_name"),
     "ingress_replicas": ("server", "ingress_replicas"), "ingress": ("server", "ingress"),
@@ -41,29 +34,9 @@ _FLAG_FIELDS = {
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI + native APIs) on Ray Serve")
     p.add_argument("--config", help="YAML file (see configs/serve/default.yaml); flags override it")
-    p.add_argument("--model", help="'default' (SmolLM2-135M GGUF), an HF folder or a .gguf file")
+    options.add_flags(p, EngineConfig, with_defaults=False)
     p.add_argument("--host", help="HTTP host (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default 8000)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--quantization", choices=["w8a8_int8"],
-                   help="int8 weights and activations for the linear layers (CPU; faster, "
-                   "outputs close to but not equal to the unquantized model's)")
-    p.add_argument("--quantize-lm-head", action="store_true", default=None,
-                   help="with --quantization w8a8_int8: the lm_head too (faster decode at "
-                   "batch, some quality cost: see radixray bench quant-quality)")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "fp8_e5m2"],
-                   help="KV pool element type (auto: the model's; bfloat16 halves its bytes, fp8_e5m2 "
-                   "quarters them against fp32, at some quality cost)")
-    p.add_argument("--mem-fraction-static", type=float)
-    p.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens")
-    p.add_argument("--chunked-prefill-size", type=int)
-    p.add_argument("--context-length", type=int)
-    p.add_argument("--schedule-policy", choices=["fcfs", "lpm"])
-    p.add_argument("--max-running-requests", type=int)
-    p.add_argument("--disable-radix-cache", action="store_true", default=None)
-    p.add_argument("--stream-interval", type=int,
-                   help="decode steps per streamed chunk (default 1: every token; larger "
-                   "values send fewer, bigger chunks and leave more CPU to the engine)")
     p.add_argument("--served-model-name")
     p.add_argument("--ingress-replicas", type=int)
     p.add_argument("--ingress", choices=["auto", "direct", "proxy"],
@@ -86,6 +59,9 @@ def add_parser(sub) -> None:
 def config_from_args(args):
     from radixray.cluster.config import ServeConfig
     overrides: dict = {}
+    engine = options.from_flags(args, EngineConfig)
+    if engine:
+        overrides["engine"] = engine
     for flag, (section, field) in _FLAG_FIELDS.items():
         value = getattr(args, flag, None)
         if value is not None:
@@ -105,9 +81,9 @@ def cmd_serve(args) -> int:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from radixray.cluster.ingress_mode import IngressPlan, plan_ingress, prepare_local_ray
+    from radixray.serve.ingress_mode import IngressPlan, plan_ingress, prepare_local_ray
     server = cfg.server
-    if args.address:  # the cluster's own environment decides; see cluster/ingress_mode.py
+    if args.address:  # the cluster's own environment decides; see serve/ingress_mode.py
         if server.ingress == "direct":
             logger.warning("--ingress direct applies to a Ray this command starts; on a running "
                            "cluster set RAY_SERVE_ENABLE_DIRECT_INGRESS=1 in its environment")
@@ -122,7 +98,7 @@ def cmd_serve(args) -> int:
     import ray
     from ray import serve
 
-    from radixray.cluster.builder import build_app
+    from radixray.serve.builder import build_app
     if args.address:
         ray.init(address=args.address, namespace=cfg.namespace)
     else:
@@ -174,7 +150,7 @@ def wait_ready(base: str, stop: threading.Event, timeout: float = 1800) -> bool:
                 return True
         except httpx.HTTPError:
             pass
-        stop.wait(1.0)
+        stop.wait(0.25)
     return False
 
 
@@ -196,7 +172,7 @@ def drain_and_exit(cfg, stop: threading.Event, timeout: float | None) -> int:
     import ray
     from ray import serve
 
-    from radixray.cluster.fleet import find_controller
+    from radixray.serve.fleet import find_controller
     controller = find_controller(cfg)
     if controller is not None:
         remaining = ray.get(controller.drain_all.remote())

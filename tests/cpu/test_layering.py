@@ -1,0 +1,83 @@
+"""Imports point one way: kernels <- engine <- cluster <- actors <- serve <- bench / cli.
+
+Every ``import`` in a module counts, the lazy ones inside functions too, so a layer
+cannot reach upwards by deferring the import. The kernels take tensors only, and the
+engine runs without Ray.
+"""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import radixray
+
+ROOT = pathlib.Path(radixray.__file__).parent
+ORDER = ["kernels", "engine", "cluster", "actors", "serve", "bench", "cli"]
+RAY_FREE = {"kernels", "engine"}
+
+
+def _layer(module: str) -> str | None:
+    """``radixray.engine.sampler`` -> ``engine``; the package root itself has no layer."""
+    parts = module.split(".")
+    if parts[0] != "radixray" or len(parts) < 2:
+        return None
+    return parts[1].removesuffix(".py")
+
+
+def _modules() -> list[tuple[str, pathlib.Path]]:
+    out = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT.parent).with_suffix("")
+        name = ".".join(rel.parts).removesuffix(".__init__")
+        if _layer(name) in ORDER:
+            out.append((name, path))
+    return out
+
+
+def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found += [(node.lineno, node.module)]
+            if node.module == "radixray":  # from radixray import engine
+                found += [(node.lineno, f"radixray.{a.name}") for a in node.names]
+    return found
+
+
+MODULES = _modules()
+
+
+def test_every_layer_has_modules():
+    assert {_layer(name) for name, _ in MODULES} == set(ORDER)
+
+
+@pytest.mark.parametrize("name, path", MODULES, ids=[n for n, _ in MODULES])
+def test_imports_point_down_the_layers(name, path):
+    own = ORDER.index(_layer(name))
+    wrong = []
+    for line, target in _imports(path):
+        layer = _layer(target)
+        if layer in ORDER and ORDER.index(layer) > own and layer not in ("bench", "cli"):
+            wrong.append(f"line {line}: {target}")
+        if layer in ("bench", "cli") and _layer(name) not in ("bench", "cli"):
+            wrong.append(f"line {line}: {target}")
+        if _layer(name) in RAY_FREE and (target == "ray" or target.startswith("ray.")):
+            wrong.append(f"line {line}: {target} (this layer runs without Ray)")
+    assert not wrong, f"{name} imports against the layering:\n" + "\n".join(wrong)
+
+
+def test_importing_the_kernels_and_the_engine_loads_nothing_above_them():
+    """The same at run time: import every kernels and engine module in a fresh process."""
+    names = [n for n, _ in MODULES if _layer(n) in RAY_FREE]
+    code = ("import sys\n" + "".join(f"import {n}\n" for n in names)
+            + "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('radixray.')}))\n"
+            + "print('ray' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True).stdout.split("\n")
+    assert out[0] == "['engine', 'kernels']", out
+    assert out[1] == "False"
