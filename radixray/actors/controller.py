@@ -24,6 +24,7 @@ import time
 
 from radixray.cluster.config import ServeConfig
 from radixray.cluster.errors import WorkerUnavailable, unwrap_ray_error
+from radixray.cluster.messages import FleetHealth, WorkerEntry, WorkerInfo
 from radixray.cluster.metrics import controller_families
 from radixray.cluster.registry import Registry, WorkerRecord
 
@@ -41,7 +42,7 @@ class Controller:
         self.draining = False
         self.router = None
         self.placement_group = None
-        self._info: dict | None = None
+        self._info: WorkerInfo | None = None
         self._start_task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._owners: dict[str, float] = {}  # ingress replica -> last heartbeat (monotonic)
@@ -49,7 +50,7 @@ class Controller:
         self._watchdog: asyncio.Task | None = None
 
     # ---- start-up -------------------------------------------------------------------
-    async def start(self) -> dict:
+    async def start(self) -> WorkerInfo:
         """Start the fleet once (later calls wait for the first); return worker-0's info
         (model, context length, vocabulary) for the ingress."""
         self._ensure_watchdog()
@@ -126,7 +127,7 @@ class Controller:
         if self.draining:
             await rec.handle.drain.remote()
         logger.info("worker %s ready (generation %d, pool %d tokens)", rec.worker_id,
-                    rec.generation, info["max_total_tokens"])
+                    rec.generation, info.max_total_tokens)
 
     # ---- ownership --------------------------------------------------------------------
     async def heartbeat(self, owner: str) -> None:
@@ -277,25 +278,23 @@ class Controller:
             await self.router.set_workers.remote(self.registry.routable())
 
     # ---- operations -----------------------------------------------------------------
-    async def worker(self, worker_id: str) -> dict:
+    async def worker(self, worker_id: str) -> WorkerEntry:
         """The handle of a worker that takes requests; WorkerUnavailable otherwise."""
         rec = self.registry.get(worker_id)
         if rec.state not in ("ready", "draining"):
             raise WorkerUnavailable(f"engine worker {worker_id} is {rec.state}")
-        return {"worker_id": worker_id, "handle": rec.handle, "generation": rec.generation,
-                "state": rec.state}
+        return WorkerEntry(worker_id, rec.handle, rec.generation, rec.state)
 
-    async def live_workers(self) -> list[dict]:
+    async def live_workers(self) -> list[WorkerEntry]:
         return [await self.worker(r.worker_id) for r in self.registry.live()]
 
-    async def health(self) -> dict:
-        """Whether the fleet takes requests; ``errors`` says why each worker that does not
-        serve went down (its last death or engine failure)."""
+    async def health(self) -> FleetHealth:
+        """Whether the fleet takes requests, and why each worker that does not serve went
+        down (its last death or engine failure)."""
         live = self.registry.live()
-        return {"draining": self.draining, "routable": len(self.registry.routable()),
-                "workers": self.registry.counts(),
-                "errors": {r.worker_id: r.error for r in self.registry
-                           if r not in live and r.error}}
+        return FleetHealth(self.draining, len(self.registry.routable()), self.registry.counts(),
+                           {r.worker_id: r.error for r in self.registry
+                            if r not in live and r.error})
 
     async def drain_worker(self, worker_id: str) -> dict:
         """Stop sending new requests to ``worker_id``; its in-flight requests finish."""
@@ -341,10 +340,10 @@ class Controller:
                                        return_exceptions=True)
         return {r.worker_id: x for r, x in zip(live, results) if isinstance(x, list) and x}
 
-    async def _on_each_live(self, method: str) -> dict:
+    async def _on_each_live(self, call) -> dict:
+        """``call(handle)`` on every live worker: the result (or the error) by worker id."""
         live = self.registry.live()
-        results = await asyncio.gather(*(getattr(r.handle, method).remote() for r in live),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*(call(r.handle) for r in live), return_exceptions=True)
         return {r.worker_id: (x if not isinstance(x, BaseException)
                               else {"error": str(unwrap_ray_error(x))})
                 for r, x in zip(live, results)}
@@ -352,14 +351,14 @@ class Controller:
     async def flush_cache(self) -> dict[str, bool]:
         """Flush every live worker's radix cache; when all did, the router forgets its
         prefix tree too (it would otherwise route to caches that no longer exist)."""
-        results = await self._on_each_live("flush_cache")
+        results = await self._on_each_live(lambda h: h.flush_cache.remote())
         if self.router is not None and all(ok is True for ok in results.values()):
             await self.router.forget_prefixes.remote()
         return results
 
     async def check_kv_conservation(self) -> dict:
         """Every live worker's KV slot check (an error entry if its invariant broke)."""
-        return await self._on_each_live("check_kv_conservation")
+        return await self._on_each_live(lambda h: h.check_kv_conservation.remote())
 
     async def set_policy(self, policy: str) -> dict:
         await self.router.set_policy.remote(policy)

@@ -7,9 +7,10 @@ tokens of all of that client's requests; requests enter with :meth:`submit`.
 When a channel's reader goes away (the generator is cancelled or its owner
 dies) every unfinished request of that channel is aborted, so its KV returns.
 
-Messages on a channel are either a list of updates (see
-``radixray.engine.engine.take_update``) or a control dict
-``{"control": "open" | "draining", ...}``.
+Messages on a channel are either one step's list of
+:class:`~radixray.engine.messages.RequestUpdate` or a
+:class:`~radixray.cluster.messages.ChannelState` (on opening, and when the worker
+starts or stops draining).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from concurrent.futures import Future
 
 from radixray.actors.niceness import set_niceness
 from radixray.cluster.errors import WorkerDraining, WorkerUnavailable
+from radixray.cluster.messages import ChannelState, SubmitRequest, WorkerInfo, WorkerLoad
 from radixray.cluster.metrics import WorkerMetrics, scheduler_snapshot
 from radixray.engine.engine import Engine, StepChannel
 from radixray.engine.faults import EngineFailed, EngineHealth
@@ -88,7 +90,7 @@ class EngineWorker:
         rids: set[str] = set()
         self._channels[channel_id] = (channel, rids)
         try:
-            yield {"control": "open", "draining": self.draining, "worker_id": self.worker_id}
+            yield ChannelState(self.worker_id, self.draining)
             while True:
                 msg = await queue.get()
                 if msg is None:
@@ -96,8 +98,8 @@ class EngineWorker:
                 if isinstance(msg, list):
                     self.metrics.observe(msg)
                     for u in msg:
-                        if "meta" in u:
-                            rids.discard(u["rid"])
+                        if u.finished:
+                            rids.discard(u.rid)
                 yield msg
         finally:
             self._channels.pop(channel_id, None)
@@ -108,12 +110,11 @@ class EngineWorker:
                 logger.info("channel %s closed: aborted %d unfinished request(s)", channel_id,
                             len(rids))
 
-    async def submit(self, channel_id: str, requests: list[dict]) -> None:
+    async def submit(self, channel_id: str, requests: list[SubmitRequest]) -> None:
         """Validate and schedule requests; output goes to channel ``channel_id``.
 
-        Each request dict has ``rid``, ``input_ids``, ``sampling_params`` (dict)
-        and optionally ``priority``. Raises ValueError naming the bad field (nothing
-        is scheduled then), WorkerDraining, or WorkerUnavailable once the engine failed.
+        Raises ValueError naming the bad field (nothing is scheduled then),
+        WorkerDraining, or WorkerUnavailable once the engine failed.
         """
         if self.draining:
             raise WorkerDraining(f"worker {self.worker_id} is draining and takes no new requests")
@@ -122,9 +123,9 @@ class EngineWorker:
             raise RuntimeError(f"channel {channel_id!r} is not open; call stream() first")
         reqs = []
         for r in requests:
-            built, _ = build_requests(None, r["input_ids"], r.get("sampling_params"),
-                                      self.engine.tokenizer, self.engine.limits, r["rid"],
-                                      r.get("priority"))
+            built, _ = build_requests(None, r.input_ids, r.sampling_params,
+                                      self.engine.tokenizer, self.engine.limits, r.rid,
+                                      r.priority)
             reqs.extend(built)
         channel, rids = entry
         try:
@@ -144,17 +145,16 @@ class EngineWorker:
         self.engine.scheduler.submit(CallInLoop(fn, future))
         return await asyncio.wrap_future(future)
 
-    async def info(self) -> dict:
+    async def info(self) -> WorkerInfo:
         """Static facts the ingress needs: limits, model path, worker id."""
         limits = self.engine.limits
-        return {"worker_id": self.worker_id, "model": self.engine.config.model,
-                "context_len": limits.context_len, "vocab_size": limits.vocab_size,
-                "max_total_tokens": limits.max_total_tokens, "draining": self.draining}
+        return WorkerInfo(self.worker_id, self.engine.config.model, limits.context_len,
+                          limits.vocab_size, limits.max_total_tokens, self.draining)
 
-    async def load(self) -> dict:
+    async def load(self) -> WorkerLoad:
         """Running / queued requests and KV usage now."""
         snap = await self._in_loop(scheduler_snapshot)
-        snap["inflight"] = self.num_inflight()
+        snap.inflight = self.num_inflight()
         return snap
 
     def num_inflight(self) -> int:
@@ -190,7 +190,7 @@ class EngineWorker:
             self.draining = False
             logger.info("worker %s resumed", self.worker_id)
             for channel, _ in self._channels.values():
-                channel.push({"control": "open", "draining": False, "worker_id": self.worker_id})
+                channel.push(ChannelState(self.worker_id, False))
 
     async def drain(self) -> int:
         """Stop taking requests; tell every channel; return how many are still in flight."""
@@ -199,7 +199,7 @@ class EngineWorker:
             logger.info("worker %s draining: %d request(s) in flight", self.worker_id,
                         self.num_inflight())
             for channel, _ in self._channels.values():
-                channel.push({"control": "draining", "worker_id": self.worker_id})
+                channel.push(ChannelState(self.worker_id, True))
         return self.num_inflight()
 
     async def flush_cache(self) -> bool:

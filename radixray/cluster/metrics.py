@@ -18,6 +18,9 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from radixray.cluster.messages import WorkerLoad
+from radixray.engine.messages import RequestUpdate
+
 PREFIX = "radixray:"
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2, 4, 8, 15, 30, 60, 120, 300)
@@ -25,24 +28,18 @@ ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5,
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
 
 
-def scheduler_snapshot(scheduler) -> dict:
+def scheduler_snapshot(scheduler) -> WorkerLoad:
     """Counters and gauges of one scheduler; call on the scheduler thread (CallInLoop)."""
     st = scheduler.stats
     _, usage = scheduler.token_usage()
-    return {
-        "num_running_reqs": len(scheduler.running),
-        "num_queue_reqs": len(scheduler.waiting),
-        "token_usage": usage,
-        "gen_throughput": st.gen_throughput if scheduler.running else 0.0,
-        "prompt_tokens": st.prompt_tokens,
-        "generation_tokens": st.generation_tokens,
-        "prefill_input_tokens": st.prefill_input_tokens,
-        "prefill_cached_tokens": st.prefill_cached_tokens,
-        "num_retracted_reqs": st.num_retracted_reqs,
-        "num_aborted_reqs": st.num_aborted_reqs,
-        "failed_steps": scheduler.faults.total,
-        "engine_failed": scheduler.faults.failed is not None,
-    }
+    return WorkerLoad(
+        num_running_reqs=len(scheduler.running), num_queue_reqs=len(scheduler.waiting),
+        token_usage=usage, gen_throughput=st.gen_throughput if scheduler.running else 0.0,
+        prompt_tokens=st.prompt_tokens, generation_tokens=st.generation_tokens,
+        prefill_input_tokens=st.prefill_input_tokens,
+        prefill_cached_tokens=st.prefill_cached_tokens,
+        num_retracted_reqs=st.num_retracted_reqs, num_aborted_reqs=st.num_aborted_reqs,
+        failed_steps=scheduler.faults.total, engine_failed=scheduler.faults.failed is not None)
 
 
 class WorkerMetrics:
@@ -67,32 +64,32 @@ class WorkerMetrics:
                                 ["worker", "finish_reason"], registry=self.registry)
         self._last_update: dict[str, float] = {}
 
-    def observe(self, updates: list[dict]) -> None:
-        """Record one step's updates (the dicts of engine.take_update)."""
+    def observe(self, updates: list[RequestUpdate]) -> None:
+        """Record one step's updates."""
         now = time.perf_counter()
         last = self._last_update
         for u in updates:
-            rid = u["rid"]
+            rid = u.rid
             prev = last.get(rid)
-            if prev is not None and u["ids"]:
+            if prev is not None and u.ids:
                 self.itl.observe(now - prev)
-            meta = u.get("meta")
+            meta = u.meta
             if meta is None:
-                if u["ids"]:
+                if u.ids:
                     last[rid] = now
                 continue
             last.pop(rid, None)
-            for field, hist in (("first_token_latency", self.ttft), ("e2e_latency", self.e2e),
-                                ("queue_time", self.queue_time)):
-                if meta.get(field) is not None:
-                    hist.observe(meta[field])
-            reason = (meta.get("finish_reason") or {}).get("type", "unknown")
+            for seconds, hist in ((meta.first_token_latency, self.ttft),
+                                  (meta.e2e_latency, self.e2e), (meta.queue_time, self.queue_time)):
+                if seconds is not None:
+                    hist.observe(seconds)
+            reason = meta.finish_reason.type if meta.finish_reason else "unknown"
             self.requests.labels(self.worker_id, reason).inc()
 
     def forget(self, rid: str) -> None:
         self._last_update.pop(rid, None)
 
-    def families(self, snapshot: dict) -> list[Metric]:
+    def families(self, snapshot: WorkerLoad) -> list[Metric]:
         """Every family of this worker, scheduler series taken from ``snapshot``."""
         w = [self.worker_id]
         out: list[Metric] = list(self.registry.collect())
@@ -103,7 +100,7 @@ class WorkerMetrics:
                           ("engine_failed", "1 once the engine stopped serving after repeated "
                            "step faults (the controller then restarts the worker).")):
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["worker"])
-            g.add_metric(w, float(snapshot[name]))
+            g.add_metric(w, float(getattr(snapshot, name)))
             out.append(g)
         for name, key, doc in (
                 ("prompt_tokens", "prompt_tokens", "Prompt tokens of requests."),
@@ -113,14 +110,14 @@ class WorkerMetrics:
                 ("failed_steps", "failed_steps", "Scheduler steps whose batch failed with an "
                  "error (its requests finished with finish_reason error).")):
             c = CounterMetricFamily(PREFIX + name, doc, labels=["worker"])
-            c.add_metric(w, float(snapshot[key]))
+            c.add_metric(w, float(getattr(snapshot, key)))
             out.append(c)
         eff = CounterMetricFamily(
             PREFIX + "prefill_effective_tokens", "Prefill tokens by where their KV came from: "
             "input = computed, device_hit = reused from the radix cache. Hit rate = "
             "rate(device_hit) / rate(input + device_hit).", labels=["worker", "mode"])
-        eff.add_metric(w + ["input"], float(snapshot["prefill_input_tokens"]))
-        eff.add_metric(w + ["device_hit"], float(snapshot["prefill_cached_tokens"]))
+        eff.add_metric(w + ["input"], float(snapshot.prefill_input_tokens))
+        eff.add_metric(w + ["device_hit"], float(snapshot.prefill_cached_tokens))
         out.append(eff)
         return out
 

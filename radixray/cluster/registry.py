@@ -16,6 +16,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from radixray.cluster.messages import WorkerLoad
+
 STATES = ("starting", "ready", "draining", "dead", "failed")
 
 
@@ -36,7 +38,7 @@ class WorkerRecord:
     ready_at: float | None = None
     last_ping_at: float | None = None
     healthy: bool = True  # False while pings time out (the worker may only be busy)
-    load: dict = field(default_factory=dict)  # last answer of EngineWorker.load()
+    load: WorkerLoad | None = None  # last answer of EngineWorker.load()
     error: str | None = None  # why it last died
 
     def set_state(self, state: str) -> None:
@@ -51,7 +53,8 @@ class WorkerRecord:
                 "state": self.state, "generation": self.generation, "restarts": self.restarts,
                 "weight_version": self.weight_version, "started_at": self.started_at,
                 "ready_at": self.ready_at, "last_ping_at": self.last_ping_at,
-                "healthy": self.healthy, "load": dict(self.load), "error": self.error}
+                "healthy": self.healthy, "load": self.load.as_json() if self.load else {},
+                "error": self.error}
 
 
 class Registry:

@@ -16,6 +16,7 @@ from radixray.engine.detokenizer import IncrementalDetokenizer
 from radixray.engine.faults import ENGINE_FAILED_STATUS, EngineFailed, EngineHealth
 from radixray.engine.inputs import Limits, build_requests
 from radixray.engine.loader import resolve_model
+from radixray.engine.messages import MetaInfo, RequestUpdate
 from radixray.engine.model_runner import ModelRunner
 from radixray.engine.request import Req
 from radixray.engine.scheduler import AbortCommand, CallInLoop, Scheduler
@@ -28,18 +29,16 @@ class StepChannel:
     """Carries one list of updates per scheduler step to an asyncio queue in another thread.
 
     Several requests share a channel (one per serving client), so a step with
-    many running requests costs one hand-off instead of one per request. Each
-    update is a dict: ``rid``, ``ids`` (new output ids), ``logprobs`` /
-    ``top_logprobs`` when requested, and ``meta`` (see :func:`meta_info`) on the
-    request's last update; a request the engine failed also has ``error`` (the
-    message) and ``status`` (500: its batch failed; 503: the engine failed).
+    many running requests costs one hand-off instead of one per request. A message
+    is a list of :class:`~radixray.engine.messages.RequestUpdate` (one step), or a
+    control message of the channel's owner.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
         self.loop = loop
         self.queue = queue
 
-    def push(self, updates: list[dict] | dict) -> bool:
+    def push(self, updates: list[RequestUpdate] | object) -> bool:
         """Hand one message (a step's updates, or a control dict) to the reader's loop;
         False when that loop is closed."""
         try:
@@ -60,36 +59,19 @@ class _Subscriber:
     channel: StepChannel | None = None
 
 
-def take_update(req: Req) -> dict:
-    """The output ``req`` produced since its last update (and its meta_info once finished)."""
-    update: dict = {"rid": req.rid, "ids": req.output_ids[req.emitted:]}
+def take_update(req: Req) -> RequestUpdate:
+    """The output ``req`` produced since its last update (and its MetaInfo once finished)."""
+    update = RequestUpdate(req.rid, req.output_ids[req.emitted:])
     if req.sampling.return_logprob:
-        update["logprobs"] = req.output_logprobs[req.emitted:]
+        update.logprobs = req.output_logprobs[req.emitted:]
         if req.sampling.top_logprobs_num:
-            update["top_logprobs"] = req.output_top_logprobs[req.emitted:]
+            update.top_logprobs = req.output_top_logprobs[req.emitted:]
     req.emitted = len(req.output_ids)
     if req.finished:
-        update["meta"] = meta_info(req)
+        update.meta = MetaInfo.of(req)
         if req.finish_reason.type == "error":
-            update["error"] = req.finish_reason.message
-            update["status"] = req.finish_reason.status
+            update.error, update.status = req.finish_reason.message, req.finish_reason.status
     return update
-
-
-def meta_info(req: Req) -> dict:
-    """Per-request accounting returned with every result."""
-    t0 = req.arrival_time
-    return {
-        "id": req.rid,
-        "finish_reason": req.finish_reason.to_dict() if req.finish_reason else None,
-        "prompt_tokens": len(req.prompt_ids),
-        "completion_tokens": len(req.output_ids),
-        "cached_tokens": req.cached_tokens,
-        "queue_time": (req.admit_time - t0) if req.admit_time else None,
-        "first_token_latency": (req.first_token_time - t0) if req.first_token_time else None,
-        "e2e_latency": (req.finish_time - t0) if req.finish_time else None,
-        "num_retractions": req.num_retractions,
-    }
 
 
 class Engine:
@@ -193,7 +175,7 @@ class Engine:
     def generate(self, prompt=None, sampling_params=None, input_ids=None, rid=None, priority=None):
         """Run prompts to completion. One prompt -> a dict; a list of prompts -> a list of dicts.
 
-        Each dict has ``text``, ``output_ids``, ``meta_info`` (see :func:`meta_info`)
+        Each dict has ``text``, ``output_ids``, ``meta_info`` (see :class:`MetaInfo`)
         and, when requested, ``output_token_logprobs`` / ``output_top_logprobs``.
         Raises ValueError naming the bad field before anything is scheduled.
         """
@@ -230,16 +212,16 @@ class Engine:
         try:
             while not finished:
                 update = await sub.queue.get()
-                finished = "meta" in update
-                text = detok.add_tokens(update["ids"])
+                finished = update.meta is not None
+                text = detok.add_tokens(update.ids)
                 if finished and not detok.stopped:
                     text += detok.finish()
-                chunk = {"text": text, "output_ids": update["ids"], "finished": finished}
-                if "logprobs" in update:
-                    chunk["output_token_logprobs"] = update["logprobs"]
+                chunk = {"text": text, "output_ids": update.ids, "finished": finished}
+                if update.logprobs is not None:
+                    chunk["output_token_logprobs"] = update.logprobs
                 if finished:
                     _raise_if_engine_failed(req)
-                    chunk["meta_info"] = update["meta"]
+                    chunk["meta_info"] = update.meta.to_json()
                 yield chunk
         finally:
             with self._lock:
@@ -352,7 +334,8 @@ class Engine:
         text = detok.add_tokens(req.output_ids)
         if not detok.stopped:
             text += detok.finish()
-        out = {"text": text, "output_ids": list(req.output_ids), "meta_info": meta_info(req)}
+        out = {"text": text, "output_ids": list(req.output_ids),
+               "meta_info": MetaInfo.of(req).to_json()}
         if req.sampling.return_logprob:
             out["output_token_logprobs"] = list(req.output_logprobs)
             if req.sampling.top_logprobs_num:

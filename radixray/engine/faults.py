@@ -83,3 +83,9 @@ class StepFaults:
             if self._inject_left > 0:
                 self._inject_left -= 1
             raise InjectedFault(self._inject_message)
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message`` of an exception, for logs and the error a client sees."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

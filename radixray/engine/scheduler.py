@@ -28,7 +28,7 @@ from radixray.engine.admission import (
     retraction_order,
 )
 from radixray.engine.config import EngineConfig
-from radixray.engine.faults import BATCH_FAULT_STATUS, ENGINE_FAILED_STATUS, StepFaults
+from radixray.engine.faults import BATCH_FAULT_STATUS, ENGINE_FAILED_STATUS, StepFaults, describe
 from radixray.engine.forward_batch import ForwardBatch
 from radixray.engine.kv_manager import KVManager
 from radixray.engine.model_runner import ModelRunner
@@ -62,13 +62,19 @@ class Scheduler:
     """Continuous batching over one ModelRunner."""
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, stop_checker: StopChecker,
-                 on_output: Callable[[list[Req]], None]):
+                 on_output: Callable[[list[Req]], None], kv: KVManager | None = None,
+                 sampler: Sampler | None = None):
+        """``kv`` (the slot owner, with its prefix cache) and ``sampler`` are parts a role
+        may pass in; by default a radix cache over the runner's pool and the standard
+        sampler."""
         self.config = config
         self.runner = runner
-        cache = RadixCache(runner.allocator, disable=config.disable_radix_cache,
-                           eviction_policy=config.radix_eviction_policy)
-        self.kv = KVManager(runner.allocator, runner.req_pool, cache)
-        self.sampler = Sampler(runner.vocab_size)
+        if kv is None:
+            cache = RadixCache(runner.allocator, disable=config.disable_radix_cache,
+                               eviction_policy=config.radix_eviction_policy)
+            kv = KVManager(runner.allocator, runner.req_pool, cache)
+        self.kv = kv
+        self.sampler = sampler or Sampler(runner.vocab_size)
         self.stop_checker = stop_checker
         self.on_output = on_output
         self.ratio = NewTokenRatio(config.schedule_conservativeness)
@@ -138,7 +144,7 @@ class Scheduler:
                     self.step()
             except Exception as exc:  # noqa: BLE001 - the loop must outlive any fault
                 logger.exception("scheduler loop fault outside a batch")
-                self.fail_engine(f"the scheduler could not recover from {_describe(exc)}")
+                self.fail_engine(f"the scheduler could not recover from {describe(exc)}")
 
     def run_until_idle(self) -> None:
         """Drain the inbox and step until no request is left (in-process use and tests)."""
@@ -173,7 +179,7 @@ class Scheduler:
     # ---- faults --------------------------------------------------------------------
     def _on_step_fault(self, exc: Exception) -> None:
         """Fail the step's batch; log the traceback once per distinct fault; count it."""
-        message = _describe(exc)
+        message = describe(exc)
         if message == self.faults.last_message:
             logger.error("scheduler step failed again (%d in a row): %s",
                          self.faults.consecutive + 1, message)
@@ -486,9 +492,3 @@ class Scheduler:
             self.on_output([req])
             return True
         return False
-
-
-def _describe(exc: BaseException) -> str:
-    """``Type: message`` of an exception, for logs and the error a client sees."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

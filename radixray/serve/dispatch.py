@@ -29,8 +29,10 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 
 from radixray.cluster.errors import WorkerDraining, WorkerUnavailable, unwrap_ray_error
+from radixray.cluster.messages import SubmitRequest
 from radixray.cluster.routing import NoWorkerAvailable
 from radixray.engine.faults import BATCH_FAULT_STATUS
+from radixray.engine.messages import RequestUpdate
 from radixray.serve.worker_client import WorkerClient
 
 logger = logging.getLogger("radixray.ingress")
@@ -70,7 +72,7 @@ class Dispatcher:
     async def start(self) -> None:
         """Open channels to every live worker now (later ones open on first use)."""
         for entry in await self.controller.live_workers.remote():
-            await self.client(entry["worker_id"])
+            await self.client(entry.worker_id)
 
     async def close(self) -> None:
         for c in self.clients.values():
@@ -91,14 +93,14 @@ class Dispatcher:
                 raise unwrap_ray_error(exc) from None
             if c is not None:
                 await c.close()
-            c = WorkerClient(entry["handle"], worker_id)
+            c = WorkerClient(entry.handle, worker_id)
             await c.start()
             self.clients[worker_id] = c
             return c
 
     # ---- placing requests ------------------------------------------------------------
-    async def run(self, requests: list[dict], route_text: str,
-                  session_id: str | None = None) -> list[AsyncIterator[dict]]:
+    async def run(self, requests: list[SubmitRequest], route_text: str,
+                  session_id: str | None = None) -> list[AsyncIterator[RequestUpdate]]:
         """Place ``requests`` together on one worker; one update iterator per request.
 
         Raises ValueError (bad input, from the worker), WorkerDraining (the whole
@@ -145,25 +147,25 @@ class Dispatcher:
                 raise err from None
         if last is not None:
             raise last
-        if (await self.controller.health.remote())["draining"]:
+        if (await self.controller.health.remote()).draining:
             raise WorkerDraining("the fleet is draining and takes no new requests")
         raise WorkerUnavailable(f"no engine worker is available: {err}")
 
-    async def _follow(self, request: dict, stream, lease: Lease, route_text, session_id,
-                      tried: set[str], attempts: int) -> AsyncIterator[dict]:
+    async def _follow(self, request: SubmitRequest, stream, lease: Lease, route_text, session_id,
+                      tried: set[str], attempts: int) -> AsyncIterator[RequestUpdate]:
         started, outcome = False, None
         try:
             while True:
                 failed = None
                 async for update in stream:
-                    if "error" in update and not started \
-                            and update.get("status") != BATCH_FAULT_STATUS:
+                    if update.error is not None and not started \
+                            and update.status != BATCH_FAULT_STATUS:
                         failed = update
                         break
-                    if "error" in update:
+                    if update.error is not None:
                         outcome = False
-                    elif "meta" in update:
-                        update["meta"]["worker_id"] = lease.worker
+                    elif update.meta is not None:
+                        update.meta.worker_id = lease.worker
                         outcome = True
                     started = True
                     yield update
@@ -172,13 +174,13 @@ class Dispatcher:
                 lease.done(False)
                 lease, outcome = None, None
                 logger.warning("request %s failed on a worker before its first token: %s",
-                               request["rid"], failed["error"])
+                               request.rid, failed.error)
                 try:
                     worker, streams, attempts = await self._place(
                         [request], route_text, session_id, tried, attempts)
                 except Exception as exc:  # noqa: BLE001 - out of attempts: a clean error
-                    yield {"rid": request["rid"], "ids": [], "status": 503,
-                           "error": f"{failed['error']}; retrying failed: {exc}"}
+                    yield RequestUpdate.failure(
+                        request.rid, f"{failed.error}; retrying failed: {exc}", 503)
                     return
                 await stream.aclose()
                 lease, stream = Lease(self.router, worker, 1), streams[0]

@@ -13,7 +13,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from radixray.cluster.errors import WorkerDraining, WorkerUnavailable
+from radixray.cluster.messages import SubmitRequest, WorkerInfo
 from radixray.engine.detokenizer import IncrementalDetokenizer
+from radixray.engine.messages import MetaInfo, RequestUpdate
+from radixray.engine.sampling import SamplingParams
 from radixray.serve.dispatch import Dispatcher, ids_route_text
 
 
@@ -56,23 +59,23 @@ class Choice:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list] = field(default_factory=list)
     text: str = ""
-    meta: dict | None = None
+    meta: MetaInfo | None = None
     error: str | None = None
     error_status: int = 500
 
-    def add(self, update: dict) -> str:
+    def add(self, update: RequestUpdate) -> str:
         """Apply one update; return the new releasable text."""
-        if "error" in update:
-            self.error = update["error"]
-            self.error_status = update.get("status", 500)
+        if update.error is not None:
+            self.error = update.error
+            self.error_status = update.status or 500
             return ""
-        ids = update["ids"]
+        ids = update.ids
         self.output_ids.extend(ids)
-        self.logprobs.extend(update.get("logprobs", ()))
-        self.top_logprobs.extend(update.get("top_logprobs", ()))
+        self.logprobs.extend(update.logprobs or ())
+        self.top_logprobs.extend(update.top_logprobs or ())
         delta = self.detok.add_tokens(ids)
-        if "meta" in update:
-            self.meta = update["meta"]
+        if update.meta is not None:
+            self.meta = update.meta
             if not self.detok.stopped:
                 delta += self.detok.finish()
         self.text += delta
@@ -92,12 +95,12 @@ class Choice:
 class Frontend:
     """Everything an HTTP handler needs from this ingress replica."""
 
-    def __init__(self, tokenizer, info: dict, served_model_name: str, dispatcher: Dispatcher,
-                 enable_cache_report: bool = True):
+    def __init__(self, tokenizer, info: WorkerInfo, served_model_name: str,
+                 dispatcher: Dispatcher, enable_cache_report: bool = True):
         self.tokenizer = tokenizer
-        self.context_len = info["context_len"]
-        self.vocab_size = info["vocab_size"]
-        self.model_path = info["model"]
+        self.context_len = info.context_len
+        self.vocab_size = info.vocab_size
+        self.model_path = info.model
         self.served_model_name = served_model_name
         self.dispatcher = dispatcher
         self.enable_cache_report = enable_cache_report
@@ -155,8 +158,11 @@ class Frontend:
         worker takes them. ``route_text`` (default: the first prompt's ids as characters)
         is what the router matches; ``session_id`` pins a conversation to a worker."""
         rids = rids or [uuid.uuid4().hex for _ in prompts]
-        requests = [{"rid": rid, "input_ids": ids, "sampling_params": sp, "priority": priority}
-                    for rid, ids, sp in zip(rids, prompts, params)]
+        try:
+            requests = [SubmitRequest(rid, ids, SamplingParams.from_dict(sp), priority)
+                        for rid, ids, sp in zip(rids, prompts, params)]
+        except (TypeError, ValueError) as exc:  # unknown or mistyped sampling fields
+            raise ApiError(400, str(exc), param="sampling_params") from None
         if route_text is None:
             route_text = ids_route_text(prompts[0])
         try:

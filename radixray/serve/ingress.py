@@ -102,7 +102,7 @@ class Ingress:
         start_heartbeats(self.controller, f"ingress-{uuid.uuid4().hex[:8]}",
                          min(5.0, self.cfg.fleet.owner_timeout_s / 4))
         info = ray.get(self.controller.start.remote())  # waits for the workers to load
-        tokenizer = resolve_model(info["model"]).tokenizer
+        tokenizer = resolve_model(info.model).tokenizer
         dispatcher = Dispatcher(self.controller, find_router(self.cfg),
                                 self.cfg.router.retry_max_attempts, self.cfg.router.retry_backoff_s)
         self.fe = Frontend(tokenizer, info, self.cfg.server.served_model_name, dispatcher,
@@ -147,12 +147,12 @@ class Ingress:
         if not self._ready:
             return JSONResponse({"status": "starting", "detail": "warming up"}, status_code=503)
         h = await self.controller.health.remote()
-        if h["draining"]:
+        if h.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
-        if h["routable"] == 0:
+        if h.routable == 0:
             return JSONResponse({"status": "unavailable",
                                  "detail": "no engine worker takes requests",
-                                 "workers": h["workers"], "errors": h["errors"]}, status_code=503)
+                                 "workers": h.workers, "errors": h.errors}, status_code=503)
         return None
 
     # ---- APIs -----------------------------------------------------------------------

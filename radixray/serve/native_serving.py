@@ -45,7 +45,7 @@ def _params(req: GenerateRequest, n: int) -> list[dict]:
 
 
 def _meta(fe: Frontend, c: Choice, with_logprobs: bool) -> dict:
-    meta = dict(c.meta) if c.meta else {"id": c.rid, "finish_reason": None,
+    meta = c.meta.to_json() if c.meta else {"id": c.rid, "finish_reason": None,
                                          "prompt_tokens": len(c.prompt_ids),
                                          "completion_tokens": len(c.output_ids)}
     meta["weight_version"] = WEIGHT_VERSION

@@ -32,14 +32,14 @@ SSE_DONE = "data: [DONE]\n\n"
 def finish_reason(choice: Choice) -> str | None:
     """OpenAI finish_reason: stop | length | abort (engine aborts, e.g. out of memory). A
     choice the engine failed never gets here: it is answered as an error."""
-    if choice.meta is None:
+    if choice.meta is None or choice.meta.finish_reason is None:
         return None
-    return (choice.meta.get("finish_reason") or {}).get("type")
+    return choice.meta.finish_reason.type
 
 
 def matched_stop(choice: Choice):
-    fr = (choice.meta or {}).get("finish_reason") or {}
-    return fr.get("matched")
+    fr = choice.meta.finish_reason if choice.meta is not None else None
+    return fr.matched if fr is not None and fr.type == "stop" else None
 
 
 def usage(fe: Frontend, choices: list[Choice], prompts_per_choice: int = 1) -> dict:
@@ -50,7 +50,7 @@ def usage(fe: Frontend, choices: list[Choice], prompts_per_choice: int = 1) -> d
     out = {"prompt_tokens": prompt, "completion_tokens": completion,
            "total_tokens": prompt + completion}
     if fe.enable_cache_report:
-        cached = sum((c.meta or {}).get("cached_tokens", 0) for c in firsts)
+        cached = sum(c.meta.cached_tokens if c.meta else 0 for c in firsts)
         out["prompt_tokens_details"] = {"cached_tokens": cached}
     return out
 
@@ -131,7 +131,7 @@ async def _chat_stream(fe: Frontend, req: ChatCompletionRequest, rid: str, choic
             continue
         lp = None
         if req.logprobs and update.get("ids"):
-            lp = chat_logprobs(fe, update["ids"], update.get("logprobs", []),
+            lp = chat_logprobs(fe, update.ids, update.logprobs or [],
                                update.get("top_logprobs", []))
         if delta or lp:
             yield chunk(c.index, {"content": delta}, logprobs=lp)
@@ -199,7 +199,7 @@ async def _completion_stream(fe: Frontend, req: CompletionRequest, rid: str,
             continue
         lp = None
         if req.logprobs is not None and update.get("ids"):
-            lp = completion_logprobs(fe, update["ids"], update.get("logprobs", []),
+            lp = completion_logprobs(fe, update.ids, update.logprobs or [],
                                      update.get("top_logprobs", []), offsets[c.index])
         offsets[c.index] += len(delta)
         if delta or lp or c.meta is not None:

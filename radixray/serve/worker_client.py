@@ -14,6 +14,8 @@ import uuid
 from collections.abc import AsyncIterator
 
 from radixray.cluster.errors import WorkerUnavailable, unwrap_ray_error
+from radixray.cluster.messages import ChannelState, SubmitRequest
+from radixray.engine.messages import RequestUpdate
 
 logger = logging.getLogger("radixray.ingress")
 
@@ -37,7 +39,7 @@ class WorkerClient:
         except Exception as exc:  # the worker is dead or restarting
             raise WorkerUnavailable(f"cannot open a channel to engine worker {self.worker_id}: "
                                     f"{unwrap_ray_error(exc)}") from None
-        self.draining = bool(hello.get("draining"))
+        self.draining = hello.draining
         self.alive = True
         self._pump = asyncio.create_task(self._read(), name=f"pump-{self.worker_id}")
 
@@ -46,14 +48,11 @@ class WorkerClient:
         try:
             async for ref in self._gen:
                 msg = await ref
-                if isinstance(msg, dict):
-                    if msg.get("control") == "draining":
-                        self.draining = True
-                    elif msg.get("control") == "open":
-                        self.draining = bool(msg.get("draining"))
+                if isinstance(msg, ChannelState):
+                    self.draining = msg.draining
                     continue
                 for update in msg:
-                    q = self._queues.get(update["rid"])
+                    q = self._queues.get(update.rid)
                     if q is not None:
                         q.put_nowait(update)
         except asyncio.CancelledError:
@@ -63,7 +62,7 @@ class WorkerClient:
             logger.error("worker %s channel closed: %s", self.worker_id, error)
         self.alive = False
         for rid, q in list(self._queues.items()):
-            q.put_nowait({"rid": rid, "ids": [], "error": error})
+            q.put_nowait(RequestUpdate.failure(rid, error, status=None))
 
     async def close(self) -> None:
         if self._gen is not None:
@@ -72,7 +71,7 @@ class WorkerClient:
         if self._pump is not None:
             self._pump.cancel()
 
-    async def run(self, requests: list[dict]) -> list[AsyncIterator[dict]]:
+    async def run(self, requests: list[SubmitRequest]) -> list[AsyncIterator[RequestUpdate]]:
         """Submit ``requests`` together; return one update iterator per request.
 
         Raises the worker's ValueError (bad input), WorkerDraining or
@@ -82,21 +81,21 @@ class WorkerClient:
             raise WorkerUnavailable(f"engine worker {self.worker_id} is not connected")
         queues = [asyncio.Queue() for _ in requests]
         for r, q in zip(requests, queues):
-            self._queues[r["rid"]] = q
+            self._queues[r.rid] = q
         try:
             await self.handle.submit.remote(self.channel_id, requests)
         except Exception as exc:
             for r in requests:
-                self._queues.pop(r["rid"], None)
+                self._queues.pop(r.rid, None)
             raise unwrap_ray_error(exc) from None
-        return [self._follow(r["rid"], q) for r, q in zip(requests, queues)]
+        return [self._follow(r.rid, q) for r, q in zip(requests, queues)]
 
-    async def _follow(self, rid: str, q: asyncio.Queue) -> AsyncIterator[dict]:
+    async def _follow(self, rid: str, q: asyncio.Queue) -> AsyncIterator[RequestUpdate]:
         finished = False
         try:
             while not finished:
                 update = await q.get()
-                finished = "meta" in update or "error" in update
+                finished = update.finished
                 yield update
         finally:
             self._queues.pop(rid, None)

@@ -208,7 +208,7 @@ def test_killed_worker_is_restarted_and_requests_end_cleanly(fleet):
         t.start()
     _busy_worker(fleet, "worker-1")
     victim = ray.get(controller.worker.remote("worker-1"))
-    ray.kill(victim["handle"], no_restart=True)
+    ray.kill(victim.handle, no_restart=True)
     killed_at = time.monotonic()
     for t in threads:
         t.join(120)
@@ -267,7 +267,7 @@ def test_deleting_the_app_stops_the_fleet(fleet):
     import ray
     from ray import serve
     controller = _controller()
-    workers = [e["handle"] for e in ray.get(controller.live_workers.remote())]
+    workers = [e.handle for e in ray.get(controller.live_workers.remote())]
     assert len(workers) == 2
     serve.delete("radixray")
     deadline = time.monotonic() + OWNER_TIMEOUT_S + 20

@@ -42,7 +42,7 @@ def _worker():
     from radixray.cluster.config import ServeConfig
     from radixray.serve.fleet import find_controller
     controller = find_controller(ServeConfig.parse(CONFIG))
-    return ray.get(controller.worker.remote("worker-0"))["handle"]
+    return ray.get(controller.worker.remote("worker-0")).handle
 
 
 def _record(base: str) -> dict:

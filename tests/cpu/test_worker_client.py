@@ -13,7 +13,9 @@ import pytest
 from model_fixtures import byte_bpe_tokenizer
 
 from radixray.cluster.errors import WorkerDraining
+from radixray.cluster.messages import ChannelState, FleetHealth, WorkerEntry, WorkerInfo
 from radixray.cluster.routing import NoWorkerAvailable
+from radixray.engine.messages import MetaInfo, RequestUpdate
 from radixray.serve.dispatch import Dispatcher
 from radixray.serve.frontend import ApiError, Frontend
 
@@ -51,7 +53,7 @@ class FakeWorker:
 
     async def _stream(self, channel_id):
         self.outbox = asyncio.Queue()
-        yield self._ref({"control": "open", "draining": False})
+        yield self._ref(ChannelState("fake", draining=False))
         while True:
             yield self._ref(await self.outbox.get())
 
@@ -59,18 +61,21 @@ class FakeWorker:
         if self.on_submit == "draining":
             raise WorkerDraining("draining")
         self.submitted.extend(requests)
-        rids = [r["rid"] for r in requests]
+        rids = [r.rid for r in requests]
         if self.on_submit == "token_then_die":
-            self.outbox.put_nowait([{"rid": rid, "ids": [7]} for rid in rids])
+            self.outbox.put_nowait([RequestUpdate(rid, [7]) for rid in rids])
         if self.on_submit in ("die", "token_then_die"):
             self.outbox.put_nowait(RuntimeError("worker process died"))
         for mode, status in (("engine_failed", 503), ("batch_fault", 500)):
             if self.on_submit == mode:
-                self.outbox.put_nowait([{"rid": rid, "ids": [], "error": f"{mode} here",
-                                         "status": status, "meta": {"id": rid}} for rid in rids])
+                self.outbox.put_nowait([RequestUpdate(rid, [], meta=_meta(rid), error=f"{mode} here",
+                                                      status=status) for rid in rids])
         if self.on_submit == "finish":
-            self.outbox.put_nowait([{"rid": rid, "ids": [7, 8], "meta": {"id": rid}}
-                                    for rid in rids])
+            self.outbox.put_nowait([RequestUpdate(rid, [7, 8], meta=_meta(rid)) for rid in rids])
+
+
+def _meta(rid: str) -> MetaInfo:
+    return MetaInfo(rid, None, 3, 2, 0, None, None, None, 0)
 
 
 class FakeRouter:
@@ -99,21 +104,21 @@ class FakeController:
         self.health = _Method(self._health)
 
     async def _worker(self, worker_id):
-        return {"worker_id": worker_id, "handle": self.workers[worker_id], "generation": 0,
-                "state": "ready"}
+        return WorkerEntry(worker_id, self.workers[worker_id], 0, "ready")
 
     async def _live(self):
         return [await self._worker(w) for w in self.workers]
 
     async def _health(self):
-        return {"draining": False, "routable": len(self.workers)}
+        return FleetHealth(draining=False, routable=len(self.workers))
 
 
 def _frontend(*workers: FakeWorker) -> tuple[Frontend, FakeRouter]:
     named = {f"w{i}": w for i, w in enumerate(workers)}
     router = FakeRouter(list(named))
     dispatcher = Dispatcher(FakeController(named), router, max_attempts=3, backoff_s=0.0)
-    info = {"context_len": 64, "vocab_size": 400, "model": "fake", "worker_id": "w0"}
+    info = WorkerInfo("w0", "fake", context_len=64, vocab_size=400, max_total_tokens=4096,
+                      draining=False)
     return Frontend(byte_bpe_tokenizer(), info, "fake", dispatcher), router
 
 
@@ -131,7 +136,7 @@ def test_timed_out_probe_aborts_its_request():
     fe, router = _frontend(worker)
     with pytest.raises(asyncio.TimeoutError):
         _run(fe, max_new_tokens=1, timeout=0.2)
-    assert worker.aborted == [[worker.submitted[0]["rid"]]]
+    assert worker.aborted == [[worker.submitted[0].rid]]
     assert fe.dispatcher.clients["w0"]._queues == {}  # nothing left waiting
     assert router.released == [("w0", None)]  # a client that went away is no worker failure
 
@@ -151,8 +156,8 @@ def test_death_before_the_first_token_is_retried_on_another_worker():
     fe, router = _frontend(dying, healthy)
     choice = _run(fe)
     assert choice.error is None and choice.output_ids == [7, 8]
-    assert choice.meta["worker_id"] == "w1"
-    assert [r["rid"] for r in healthy.submitted] == [choice.rid]
+    assert choice.meta.worker_id == "w1"
+    assert [r.rid for r in healthy.submitted] == [choice.rid]
     assert router.picks == [("w0", False), ("w1", True)]
     assert router.released == [("w0", False), ("w1", True)]
 
@@ -160,7 +165,7 @@ def test_death_before_the_first_token_is_retried_on_another_worker():
 def test_draining_worker_refusal_is_retried_and_not_a_failure():
     fe, router = _frontend(FakeWorker("draining"), FakeWorker("finish"))
     choice = _run(fe)
-    assert choice.meta["worker_id"] == "w1"
+    assert choice.meta.worker_id == "w1"
     assert router.released == [("w0", None), ("w1", True)]
 
 
@@ -189,7 +194,7 @@ def test_no_worker_at_submit_is_a_503():
 def test_a_failed_engine_before_the_first_token_is_retried_elsewhere():
     fe, router = _frontend(FakeWorker("engine_failed"), FakeWorker("finish"))
     choice = _run(fe)
-    assert choice.error is None and choice.meta["worker_id"] == "w1"
+    assert choice.error is None and choice.meta.worker_id == "w1"
     assert router.released == [("w0", False), ("w1", True)]
 
 

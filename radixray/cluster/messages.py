@@ -1,0 +1,87 @@
+"""What crosses a process boundary between the ingress, the engine workers and the
+controller (besides the engine's own :mod:`radixray.engine.messages`).
+
+Dataclasses, so both sides read fields by name and a misspelt key is an error where
+it is written rather than a silent ``None`` where it is read. Ray pickles them by
+reference to this module. The JSON documents of the admin endpoints (``/fleet``) are
+views built for HTTP, not messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from radixray.engine.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class SubmitRequest:
+    """One request an ingress replica asks a worker to run (token ids only)."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int | None = None
+
+
+@dataclass(slots=True)
+class ChannelState:
+    """Sent on a worker channel when it opens and whenever the worker starts or stops
+    draining (a draining worker finishes what it has and takes nothing new)."""
+
+    worker_id: str
+    draining: bool
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """Static facts about a worker that the ingress and the controller need."""
+
+    worker_id: str
+    model: str
+    context_len: int
+    vocab_size: int
+    max_total_tokens: int
+    draining: bool
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """A worker's scheduler counters and gauges at one moment (``load()``, ``/metrics``)."""
+
+    num_running_reqs: int = 0
+    num_queue_reqs: int = 0
+    token_usage: float = 0.0
+    gen_throughput: float = 0.0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefill_input_tokens: int = 0
+    prefill_cached_tokens: int = 0
+    num_retracted_reqs: int = 0
+    num_aborted_reqs: int = 0
+    failed_steps: int = 0
+    engine_failed: bool = False
+    inflight: int = 0  # requests of this worker's open channels not finished yet
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class WorkerEntry:
+    """The controller's answer to "which actor is worker X now"."""
+
+    worker_id: str
+    handle: object
+    generation: int
+    state: str
+
+
+@dataclass(slots=True)
+class FleetHealth:
+    """Whether the fleet takes requests; ``errors`` says why each down worker went down."""
+
+    draining: bool
+    routable: int
+    workers: dict[str, int] = field(default_factory=dict)  # state -> count
+    errors: dict[str, str] = field(default_factory=dict)  # worker id -> its last error

@@ -1,0 +1,80 @@
+"""What the engine sends out of its process: one request's progress per scheduler step
+(:class:`RequestUpdate`) and its accounting once finished (:class:`MetaInfo`).
+
+Plain dataclasses with slots: cheap to build on the scheduler thread, pickled by Ray by
+reference to this module, read by attribute on the other side. :meth:`MetaInfo.to_json`
+is the ``meta_info`` object of the HTTP and in-process APIs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixray.engine.request import FinishReason, Req
+
+
+@dataclass(slots=True)
+class MetaInfo:
+    """Per-request accounting, sent with a request's last update."""
+
+    id: str
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    queue_time: float | None  # arrival -> first admission
+    first_token_latency: float | None
+    e2e_latency: float | None
+    num_retractions: int
+    worker_id: str | None = None  # set by the ingress that routed the request
+
+    @classmethod
+    def of(cls, req: Req) -> MetaInfo:
+        t0 = req.arrival_time
+        return cls(
+            id=req.rid, finish_reason=req.finish_reason, prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
+            queue_time=(req.admit_time - t0) if req.admit_time else None,
+            first_token_latency=(req.first_token_time - t0) if req.first_token_time else None,
+            e2e_latency=(req.finish_time - t0) if req.finish_time else None,
+            num_retractions=req.num_retractions)
+
+    def to_json(self) -> dict:
+        """The ``meta_info`` object users see (``worker_id`` only when routed)."""
+        out = {"id": self.id,
+               "finish_reason": self.finish_reason.to_dict() if self.finish_reason else None,
+               "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+               "cached_tokens": self.cached_tokens, "queue_time": self.queue_time,
+               "first_token_latency": self.first_token_latency,
+               "e2e_latency": self.e2e_latency, "num_retractions": self.num_retractions}
+        if self.worker_id is not None:
+            out["worker_id"] = self.worker_id
+        return out
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """The output one request produced since its last update.
+
+    ``logprobs`` / ``top_logprobs`` are set when the request asked for them. ``meta`` comes
+    with the last update. A request that failed has ``error`` (the message) and ``status``
+    (500: its batch failed, not retried; 503: its engine or worker went down, retried
+    before the first token).
+    """
+
+    rid: str
+    ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    meta: MetaInfo | None = None
+    error: str | None = None
+    status: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.meta is not None or self.error is not None
+
+    @classmethod
+    def failure(cls, rid: str, error: str, status: int) -> RequestUpdate:
+        """An update that ends a request without output (its worker went away)."""
+        return cls(rid=rid, ids=[], error=error, status=status)
