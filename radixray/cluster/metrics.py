@@ -156,7 +156,8 @@ def controller_families(registry) -> list[Metric]:
     for state, n in registry.counts().items():
         workers.add_metric([state], float(n))
     restarts = CounterMetricFamily(PREFIX + "worker_restarts", "Times the controller restarted "
-                                   "a worker after its actor died.", labels=["worker"])
+                                   "a worker after its actor died or its engine failed.",
+                                   labels=["worker"])
     for rec in registry:
         restarts.add_metric([rec.worker_id], float(rec.restarts))
     return [workers, restarts]
