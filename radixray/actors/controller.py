@@ -356,6 +356,14 @@ class Controller:
             await self.router.forget_prefixes.remote()
         return results
 
+    async def pause_generation(self, mode: str) -> dict:
+        """Pause every live worker in ``mode``: requests touched, by worker id."""
+        return await self._on_each_live(lambda h: h.pause_generation.remote(mode))
+
+    async def continue_generation(self) -> dict:
+        """Let every live worker schedule again: whether it was paused, by worker id."""
+        return await self._on_each_live(lambda h: h.continue_generation.remote())
+
     async def check_kv_conservation(self) -> dict:
         """Every live worker's KV slot check (an error entry if its invariant broke)."""
         return await self._on_each_live(lambda h: h.check_kv_conservation.remote())

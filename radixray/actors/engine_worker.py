@@ -202,6 +202,15 @@ class EngineWorker:
                 channel.push(ChannelState(self.worker_id, True))
         return self.num_inflight()
 
+    async def pause_generation(self, mode: str = "abort") -> int:
+        """See :meth:`radixray.Engine.pause_generation`."""
+        from radixray.engine.pause import pause
+        return await self._in_loop(lambda s: pause(s, mode))
+
+    async def continue_generation(self) -> bool:
+        from radixray.engine.pause import resume
+        return await self._in_loop(resume)
+
     async def flush_cache(self) -> bool:
         return await self._in_loop(lambda s: s.kv.flush_cache())
 

@@ -61,6 +61,7 @@ class WorkerLoad:
     num_aborted_reqs: int = 0
     failed_steps: int = 0
     engine_failed: bool = False
+    paused: str | None = None  # the pause mode while generation is paused
     inflight: int = 0  # requests of this worker's open channels not finished yet
 
     def as_json(self) -> dict:

@@ -39,7 +39,8 @@ def scheduler_snapshot(scheduler) -> WorkerLoad:
         prefill_input_tokens=st.prefill_input_tokens,
         prefill_cached_tokens=st.prefill_cached_tokens,
         num_retracted_reqs=st.num_retracted_reqs, num_aborted_reqs=st.num_aborted_reqs,
-        failed_steps=scheduler.faults.total, engine_failed=scheduler.faults.failed is not None)
+        failed_steps=scheduler.faults.total, engine_failed=scheduler.faults.failed is not None,
+        paused=scheduler.paused)
 
 
 class WorkerMetrics:

@@ -264,6 +264,19 @@ class Engine:
         self.scheduler.submit(CallInLoop(fn, future))
         return future.result(timeout)
 
+    def pause_generation(self, mode: str = "abort") -> int:
+        """Stop scheduling: ``abort`` ends every request, ``retract`` sends running ones back
+        to the queue (KV freed), ``in_place`` holds them with their KV (see engine/pause.py).
+        New requests wait until :meth:`continue_generation`. Returns how many requests the
+        mode touched; ValueError names a bad mode."""
+        from radixray.engine.pause import pause
+        return self.call_in_loop(lambda s: pause(s, mode))
+
+    def continue_generation(self) -> bool:
+        """Schedule again after :meth:`pause_generation`; False if it was not paused."""
+        from radixray.engine.pause import resume
+        return self.call_in_loop(resume)
+
     def flush_cache(self) -> bool:
         """Drop all cached prefixes. False while requests are running (nothing changes then)."""
         return self.call_in_loop(lambda s: s.kv.flush_cache())

@@ -91,6 +91,7 @@ class Scheduler:
         # Called once, on the scheduler thread, with the reason when the engine fails.
         self.on_failed: Callable[[str], None] | None = None
         self._batch: list[Req] = []  # the requests of the step in flight
+        self.paused: str | None = None  # the pause mode while generation is paused
 
     # ---- ingest --------------------------------------------------------------------
     def submit(self, item) -> None:
@@ -130,7 +131,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req)
+        """Something to step on (never while paused: see engine/pause.py)."""
+        return self.paused is None and bool(self.waiting or self.running or self.chunked_req)
 
     def run_forever(self, stop: Callable[[], bool]) -> None:
         """Loop until ``stop()`` is true, sleeping on the inbox when idle. Returns only then:
@@ -378,7 +380,7 @@ class Scheduler:
             if len(order) == 1:
                 break
             victim = order.pop(0)
-            self._retract(victim)
+            self.retract(victim)
             retracted.append(victim)
         if order and self.kv.available_tokens() < len(order):
             # Even alone the last request cannot grow: abort instead of retrying forever.
@@ -389,7 +391,8 @@ class Scheduler:
         logger.warning("KV cache pool is full. Retract requests. #retracted_reqs: %d, "
                        "#new_token_ratio: %.4f -> %.4f", len(retracted), old, self.ratio.value)
 
-    def _retract(self, req: Req) -> None:
+    def retract(self, req: Req) -> None:
+        """Send a running request back to the waiting queue; its KV is freed (or cached)."""
         self.running.remove(req)
         self.kv.release(req)
         req.reset_for_retraction()
@@ -410,7 +413,7 @@ class Scheduler:
                                   budget.rem_total_tokens >= new_request_need(extend_len, req)):
                 break
             before = self.kv.available_tokens()
-            self._retract(victim)
+            self.retract(victim)
             budget.rem_total_tokens += self.kv.available_tokens() - before
             budget.rem_total_tokens += new_request_need(0, victim) * (
                 1.0 if victim.sampling.ignore_eos else self.ratio.value)

@@ -3,7 +3,8 @@ import annotations` here: FastAPI must see the real annotation objects).
 
 Routes: POST /v1/chat/completions, /v1/completions, /generate, /flush_cache;
 GET /v1/models, /metrics, /health, /health_generate, /ready; fleet admin: GET
-/fleet, POST /fleet/workers/{id}/drain, /fleet/workers/{id}/resume, /fleet/router.
+/fleet, POST /fleet/workers/{id}/drain, /fleet/workers/{id}/resume, /fleet/router;
+RL control: POST /pause_generation, /continue_generation (every worker).
 Every error is an OpenAI-style ``{"error": {...}}`` body; schema errors are 400
 and name the field. The generation routes read an ``X-Session-Id`` header: with
 session affinity on, requests of one session go to one worker.
@@ -28,6 +29,7 @@ from radixray.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
+    PauseGeneration,
     RouterUpdate,
 )
 
@@ -227,6 +229,19 @@ class Ingress:
             return PlainTextResponse("Cache flushed.\n")
         return PlainTextResponse(f"Cache not flushed on {', '.join(refused)}: requests are "
                                  "running.\n", status_code=400)
+
+    @app.post("/pause_generation")
+    async def pause_generation(self, body: PauseGeneration | None = None):
+        """Pause every worker (mode abort, retract or in_place); new requests wait until
+        /continue_generation. Answers the requests each worker's mode touched."""
+        mode = (body or PauseGeneration()).mode
+        touched = await self._admin(self.controller.pause_generation.remote(mode))
+        return {"mode": mode, "requests": touched}
+
+    @app.post("/continue_generation")
+    async def continue_generation(self):
+        """Every worker schedules again; answers whether each was paused."""
+        return {"was_paused": await self._admin(self.controller.continue_generation.remote())}
 
     @app.get("/metrics")
     async def metrics(self):

@@ -113,6 +113,14 @@ class GenerateRequest(BaseModel):
     priority: int | None = None
 
 
+class PauseGeneration(BaseModel):
+    """POST /pause_generation: how running requests are treated while paused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
 class RouterUpdate(BaseModel):
     """POST /fleet/router: change the routing policy at run time."""
 

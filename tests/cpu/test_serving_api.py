@@ -217,3 +217,38 @@ def test_bad_completion_and_generate_input(server, path, body, needle):
 
 def test_client_disconnect_aborts_and_returns_kv(server):
     assert_disconnect_returns_kv(server)
+
+
+def test_pause_and_continue_generation_on_the_whole_fleet(server):
+    """POST /pause_generation (abort) ends the running request; a request sent while paused
+    waits in the queue until POST /continue_generation; a bad mode is a 400."""
+    import threading
+    import time
+    box = {}
+
+    def post(key, max_new_tokens):
+        box[key] = httpx.post(f"{server}/generate", timeout=120, json={
+            "text": "the cat", "sampling_params": {"max_new_tokens": max_new_tokens,
+                                                   "ignore_eos": True}})
+
+    def worker0():
+        return httpx.get(f"{server}/debug/kv_conservation", timeout=60).json()["worker-0"]
+    long = threading.Thread(target=post, args=("long", 1000))
+    long.start()
+    while worker0()["running"] < 1:
+        time.sleep(0.05)
+    r = httpx.post(f"{server}/pause_generation", json={"mode": "abort"}, timeout=60)
+    assert r.status_code == 200 and r.json() == {"mode": "abort", "requests": {"worker-0": 1}}
+    long.join(60)
+    assert box["long"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    held = threading.Thread(target=post, args=("held", 3))
+    held.start()
+    while worker0()["waiting"] < 1:
+        time.sleep(0.05)
+    assert "held" not in box
+    r = httpx.post(f"{server}/continue_generation", timeout=60)
+    assert r.status_code == 200 and r.json() == {"was_paused": {"worker-0": True}}
+    held.join(60)
+    assert box["held"].json()["meta_info"]["completion_tokens"] == 3
+    bad = httpx.post(f"{server}/pause_generation", json={"mode": "sideways"}, timeout=60)
+    assert bad.status_code == 400 and "mode" in bad.json()["error"]["message"]

@@ -46,7 +46,8 @@ def test_pool_sized_from_memory_fraction(tiny_llama_dir, caplog):
         line = _limits_line(caplog)
         size = int(re.search(r"max_total_num_tokens=(\d+)", line).group(1))
         assert size == eng.runner.max_total_tokens > 1000
-        out = eng.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3})
+        out = eng.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3,
+                                                                 "ignore_eos": True})
         assert out["meta_info"]["completion_tokens"] == 3
     assert re.search(r"dtype=float32 \(auto", caplog.text)
 

@@ -1,0 +1,85 @@
+"""pause_generation's three modes and continue_generation, in-process (tiny Llama)."""
+
+import pytest
+from engine_helpers import GREEDY, in_thread, wait_until
+
+from radixray import Engine
+
+
+@pytest.fixture
+def fresh(tiny_llama_dir):
+    with Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=4096,
+                check_kv_conservation=True) as engine:
+        yield engine
+
+
+def _decoding(s) -> bool:
+    return any(r.output_ids for r in s.running)
+
+
+def _state(s) -> tuple:
+    return (len(s.running), len(s.waiting), [len(r.output_ids) for r in s.running + s.waiting])
+
+
+def _no_step_between_two_calls(engine: Engine) -> tuple:
+    """Two control calls in a row: with work and not paused, the loop steps between them,
+    so an unchanged state means no step ran."""
+    first = engine.call_in_loop(_state)
+    assert engine.call_in_loop(_state) == first
+    return first
+
+
+PARAMS = {"max_new_tokens": 40, **GREEDY}
+
+
+def test_abort_ends_every_request_and_holds_new_ones_until_continue(fresh):
+    t, box = in_thread(fresh.generate, prompt=["one long", "two long"], sampling_params={
+        "max_new_tokens": 2000, **GREEDY})
+    wait_until(fresh, _decoding)
+    assert fresh.pause_generation("abort") == 2
+    t.join(60)
+    for out in box["out"]:
+        reason = out["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "pause_generation" in reason["message"]
+    later, got = in_thread(fresh.generate, prompt="after the pause", sampling_params=PARAMS)
+    wait_until(fresh, lambda s: len(s.waiting) == 1)
+    assert _no_step_between_two_calls(fresh) == (0, 1, [0])  # queued, not scheduled
+    assert fresh.continue_generation() is True
+    later.join(60)
+    assert len(got["out"]["output_ids"]) == 40
+    assert fresh.continue_generation() is False
+
+
+def test_retract_frees_the_kv_and_the_output_is_unchanged_after_continue(fresh):
+    want = fresh.generate("retract me", PARAMS)["output_ids"]
+    t, box = in_thread(fresh.generate, prompt="retract me", sampling_params=PARAMS)
+    wait_until(fresh, _decoding)
+    assert fresh.pause_generation("retract") == 1
+    running, waiting, _ = _no_step_between_two_calls(fresh)
+    assert (running, waiting) == (0, 1)
+    kv = fresh.check_kv_conservation()  # nothing held by requests: free + cached == pool
+    assert kv["free"] + kv["cached"] == kv["pool"]
+    fresh.continue_generation()
+    t.join(60)
+    assert box["out"]["output_ids"] == want
+    assert box["out"]["meta_info"]["num_retractions"] == 1
+
+
+def test_in_place_keeps_the_kv_and_goes_on_where_it_stopped(fresh):
+    want = fresh.generate("hold me", PARAMS)["output_ids"]
+    t, box = in_thread(fresh.generate, prompt="hold me", sampling_params=PARAMS)
+    wait_until(fresh, _decoding)
+    assert fresh.pause_generation("in_place") == 1
+    running, waiting, lengths = _no_step_between_two_calls(fresh)
+    assert (running, waiting) == (1, 0) and 0 < lengths[0] < 40
+    assert fresh.call_in_loop(lambda s: s.running[0].kv_len) > 0  # its KV stays
+    fresh.continue_generation()
+    t.join(60)
+    assert box["out"]["output_ids"] == want
+    assert box["out"]["meta_info"]["num_retractions"] == 0
+
+
+def test_a_bad_mode_is_refused_and_changes_nothing(fresh):
+    with pytest.raises(ValueError, match="mode must be one of .*'abort', 'retract', 'in_place'"):
+        fresh.pause_generation("sideways")
+    assert len(fresh.generate("still going", PARAMS)["output_ids"]) == 40
