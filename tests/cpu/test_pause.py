@@ -50,33 +50,26 @@ def test_abort_ends_every_request_and_holds_new_ones_until_continue(fresh):
     assert fresh.continue_generation() is False
 
 
-def test_retract_frees_the_kv_and_the_output_is_unchanged_after_continue(fresh):
-    want = fresh.generate("retract me", PARAMS)["output_ids"]
-    t, box = in_thread(fresh.generate, prompt="retract me", sampling_params=PARAMS)
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_paused_requests_go_on_after_continue_with_an_unchanged_output(fresh, mode):
+    """retract frees the request's KV and it prefills again; in_place keeps its KV and its
+    place. Either way no step runs while paused and the greedy output is an unpaused run's."""
+    want = fresh.generate("pause me", PARAMS)["output_ids"]
+    t, box = in_thread(fresh.generate, prompt="pause me", sampling_params=PARAMS)
     wait_until(fresh, _decoding)
-    assert fresh.pause_generation("retract") == 1
-    running, waiting, _ = _no_step_between_two_calls(fresh)
-    assert (running, waiting) == (0, 1)
-    kv = fresh.check_kv_conservation()  # nothing held by requests: free + cached == pool
-    assert kv["free"] + kv["cached"] == kv["pool"]
-    fresh.continue_generation()
-    t.join(60)
-    assert box["out"]["output_ids"] == want
-    assert box["out"]["meta_info"]["num_retractions"] == 1
-
-
-def test_in_place_keeps_the_kv_and_goes_on_where_it_stopped(fresh):
-    want = fresh.generate("hold me", PARAMS)["output_ids"]
-    t, box = in_thread(fresh.generate, prompt="hold me", sampling_params=PARAMS)
-    wait_until(fresh, _decoding)
-    assert fresh.pause_generation("in_place") == 1
+    assert fresh.pause_generation(mode) == 1
     running, waiting, lengths = _no_step_between_two_calls(fresh)
-    assert (running, waiting) == (1, 0) and 0 < lengths[0] < 40
-    assert fresh.call_in_loop(lambda s: s.running[0].kv_len) > 0  # its KV stays
+    if mode == "retract":
+        assert (running, waiting) == (0, 1)
+        kv = fresh.check_kv_conservation()  # nothing held by requests: free + cached == pool
+        assert kv["free"] + kv["cached"] == kv["pool"]
+    else:
+        assert (running, waiting) == (1, 0) and 0 < lengths[0] < 40
+        assert fresh.call_in_loop(lambda s: s.running[0].kv_len) > 0  # its KV stays
     fresh.continue_generation()
     t.join(60)
     assert box["out"]["output_ids"] == want
-    assert box["out"]["meta_info"]["num_retractions"] == 0
+    assert box["out"]["meta_info"]["num_retractions"] == (1 if mode == "retract" else 0)
 
 
 def test_a_bad_mode_is_refused_and_changes_nothing(fresh):
