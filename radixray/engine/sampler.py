@@ -55,8 +55,9 @@ def _argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _nonfinite_rows(row_max: torch.Tensor) -> list[int]:
-    """Rows whose maximum is not finite: they hold a NaN or +inf, or every entry is -inf. The usual all-finite batch costs one sum and one ``.item()`` (a
-    sum that overflows only sends it to the exact per-row check)."""
+    """Rows whose maximum is not finite: they hold a NaN or +inf, or every entry is -inf.
+    The usual all-finite batch costs one sum and one ``.item()`` (a sum that overflows
+    only sends it to the exact per-row check)."""
     if math.isfinite(row_max.sum().item()):
         return []
     return (~torch.isfinite(row_max)).nonzero().flatten().tolist()
@@ -108,9 +109,9 @@ class Sampler:
             keep = torch.ones(batch, 1, dtype=torch.bool, device=device)
             keep[bad] = False
             x = torch.where(keep, x, 0.0)
+        if pen_rows:
+            x = self._apply_penalties(x, params, output_histories, pen_rows)
         if pen_rows or bad:
-            if pen_rows:
-                x = self._apply_penalties(x, params, output_histories, pen_rows)
             row_max, tokens = _argmax(x)
 
         sample_rows = [i for i in range(batch) if not greedy[i]]
