@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         quant_quality,
         serve_client,
         vs_hf,
+        weight_update,
     )
     serve_client.add_parser(bench_sub)
     kernels.add_parser(bench_sub)
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     naive_server.add_parser(bench_sub)
     quant_quality.add_parser(bench_sub)
     vs_hf.add_parser(bench_sub)
+    weight_update.add_parser(bench_sub)
 
     args = parser.parse_args(argv)
     _setup_logging(getattr(args, "log_level", None) or "info")

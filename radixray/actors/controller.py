@@ -22,11 +22,13 @@ import asyncio
 import logging
 import time
 
+from radixray.actors.weight_rollout import FleetUpdateFailed, WeightSource, run_fleet_update
 from radixray.cluster.config import ServeConfig
 from radixray.cluster.errors import WorkerUnavailable, unwrap_ray_error
 from radixray.cluster.messages import FleetHealth, WorkerEntry, WorkerInfo
-from radixray.cluster.metrics import controller_families
+from radixray.cluster.metrics import WeightUpdateMetrics, controller_families
 from radixray.cluster.registry import Registry, WorkerRecord
+from radixray.engine.weight_session import DEFAULT_GROUP, check_version
 
 logger = logging.getLogger("radixray.controller")
 
@@ -48,6 +50,9 @@ class Controller:
         self._owners: dict[str, float] = {}  # ingress replica -> last heartbeat (monotonic)
         self._created = time.monotonic()
         self._watchdog: asyncio.Task | None = None
+        self.weight_version = 0  # of the last fleet-wide update
+        self._update_lock = asyncio.Lock()  # one weight update at a time
+        self.update_metrics = WeightUpdateMetrics()
 
     # ---- start-up -------------------------------------------------------------------
     async def start(self) -> WorkerInfo:
@@ -106,6 +111,7 @@ class Controller:
             self.cfg.engine.engine_options(), rec.worker_id, s.warmup, s.log_level,
             cores_shared_by=self._workers_per_node(), niceness=s.worker_niceness)
         rec.set_state("starting")
+        rec.weight_version = 0
         rec.started_at = time.time()
         rec.ready_at = None
 
@@ -273,9 +279,11 @@ class Controller:
         await self._publish()
 
     async def _publish(self) -> None:
-        """Tell the router which workers take new requests."""
+        """Tell the router which workers take new requests, and their weight versions."""
         if self.router is not None:
             await self.router.set_workers.remote(self.registry.routable())
+            await self.router.set_weight_versions.remote(
+                {r.worker_id: r.weight_version for r in self.registry.live()})
 
     # ---- operations -----------------------------------------------------------------
     async def worker(self, worker_id: str) -> WorkerEntry:
@@ -386,8 +394,61 @@ class Controller:
         out = [x for x in results if not isinstance(x, BaseException)]
         if self.router is not None:
             out.append(await self.router.metric_families.remote())
-        out.append(controller_families(self.registry))
+        out.append(controller_families(self.registry) + self.update_metrics.families())
         return out
+
+    # ---- RL control plane (actors/weight_rollout.py) ------------------------------------
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        """Release ``tags`` on every live worker (each must be paused): results by worker."""
+        return await self._on_each_live(lambda h: h.release_memory_occupation.remote(tags))
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return await self._on_each_live(lambda h: h.resume_memory_occupation.remote(tags))
+
+    async def get_weight_version(self) -> dict:
+        """The fleet's version (of its last update) and each live worker's own."""
+        versions = await self._on_each_live(lambda h: h.get_weight_version.remote())
+        return {"weight_version": self.weight_version, "workers": versions}
+
+    async def init_weights_update_group(self, master_address: str, master_port: int,
+                                        world_size: int, group_name: str = DEFAULT_GROUP,
+                                        backend: str = "gloo", timeout_s: float = 600.0) -> dict:
+        """Every live worker joins the trainer's group (rank 1, 2, ... in worker order; the
+        trainer is rank 0 and joins at the same time). Returns the ranks by worker."""
+        live = self.registry.live()
+        if world_size != len(live) + 1:
+            raise ValueError(f"world_size must be 1 (the trainer) + {len(live)} live workers = "
+                             f"{len(live) + 1}, got {world_size}")
+        ranks = {r.worker_id: i + 1 for i, r in enumerate(live)}
+        await asyncio.gather(*(r.handle.init_weights_update_group.remote(
+            master_address, master_port, ranks[r.worker_id], world_size, group_name, backend,
+            timeout_s) for r in live))
+        return {"group_name": group_name, "world_size": world_size, "ranks": ranks}
+
+    async def update_weights(self, source: dict, weight_version: int | None = None,
+                             pause_mode: str | None = "retract",
+                             release_memory: list[str] = (), keep_paused: bool = False) -> dict:
+        """One weight update on every live worker, all or none (see weight_rollout.py).
+        ``source``: WeightSource fields (``kind`` disk | tensor | distributed). The version
+        defaults to the fleet's current one + 1."""
+        async with self._update_lock:
+            version = check_version(self.weight_version + 1 if weight_version is None
+                                    else weight_version, self.weight_version)
+            live = self.registry.live()
+            phases: dict[str, float] = {}
+            try:
+                result = await run_fleet_update({r.worker_id: r.handle for r in live},
+                                                WeightSource(**source), version, pause_mode,
+                                                list(release_memory), keep_paused, phases)
+            except FleetUpdateFailed:
+                self.update_metrics.observe(phases, ok=False)
+                raise
+            self.update_metrics.observe(phases, ok=True)
+            self.weight_version = version
+            for rec in live:
+                rec.weight_version = version
+            await self._publish()
+            return result
 
 
 def controller_actor_class():

@@ -26,10 +26,13 @@ from radixray.actors.niceness import set_niceness
 from radixray.cluster.errors import WorkerDraining, WorkerUnavailable
 from radixray.cluster.messages import ChannelState, SubmitRequest, WorkerInfo, WorkerLoad
 from radixray.cluster.metrics import WorkerMetrics, scheduler_snapshot
+from radixray.cluster.shared_weights import SharedWeightsHandle, read_shared
+from radixray.cluster.tensor_payload import from_payload, is_payload
 from radixray.engine.engine import Engine, StepChannel
 from radixray.engine.faults import EngineFailed, EngineHealth
 from radixray.engine.inputs import build_requests
 from radixray.engine.scheduler import CallInLoop
+from radixray.engine.weight_session import DEFAULT_GROUP
 
 logger = logging.getLogger("radixray.worker")
 
@@ -152,9 +155,11 @@ class EngineWorker:
                           limits.vocab_size, limits.max_total_tokens, self.draining)
 
     async def load(self) -> WorkerLoad:
-        """Running / queued requests and KV usage now."""
+        """Running / queued requests, KV usage, weight version and released memory now."""
         snap = await self._in_loop(scheduler_snapshot)
         snap.inflight = self.num_inflight()
+        snap.weight_version = self.engine.get_weight_version()
+        snap.memory_released = sorted(self.engine.memory.released)
         return snap
 
     def num_inflight(self) -> int:
@@ -214,6 +219,77 @@ class EngineWorker:
     async def flush_cache(self) -> bool:
         return await self._in_loop(lambda s: s.kv.flush_cache())
 
+    # ---- RL control: memory and weights (engine/memory_saver.py, engine/weight_session.py)
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return await self._in_loop(lambda s: self.engine.memory.release(tags))
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return await self._in_loop(lambda s: self.engine.memory.resume(tags))
+
+    async def begin_weight_update(self) -> None:
+        self.engine.begin_weight_update()
+
+    async def update_weights_from_tensor(self, named) -> dict:
+        """Stage ``(name, tensor)`` pairs, a :class:`~radixray.cluster.shared_weights.
+        SharedWeightsHandle` (a colocated trainer's shared-memory file, read in place), or a
+        :func:`~radixray.cluster.tensor_payload.to_payload` list (passed as a top-level
+        ObjectRef, Ray maps it from the object store)."""
+        if isinstance(named, SharedWeightsHandle):
+            named = read_shared(named)
+        elif is_payload(named):
+            named = list(from_payload(named))
+        return await asyncio.to_thread(self.engine.update_weights_from_tensor, named)
+
+    async def update_weights_from_disk(self, model_path: str) -> dict:
+        return await asyncio.to_thread(self.engine.update_weights_from_disk, model_path)
+
+    async def init_weights_update_group(self, master_address: str, master_port: int,
+                                        rank_offset: int, world_size: int,
+                                        group_name: str = DEFAULT_GROUP, backend: str = "gloo",
+                                        timeout_s: float = 600.0) -> dict:
+        return await asyncio.to_thread(self.engine.init_weights_update_group, master_address,
+                                       master_port, rank_offset, world_size, group_name, backend,
+                                       timeout_s)
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
+                                              group_name: str = DEFAULT_GROUP) -> dict:
+        return await asyncio.to_thread(self.engine.update_weights_from_distributed, names, dtypes,
+                                       shapes, group_name)
+
+    async def prepare_weight_update(self, weight_version: int) -> dict:
+        """The first half of ending a session (fleet updates: every worker prepares, then
+        every worker commits); nothing serving changes."""
+        self._weight_fault("prepare")
+        return await asyncio.to_thread(self.engine.weights.prepare, weight_version)
+
+    async def commit_weight_update(self) -> int:
+        self._weight_fault("commit")
+        return await self._in_loop(self.engine.weights.commit)
+
+    async def rollback_weight_update(self) -> bool:
+        return await self._in_loop(self.engine.weights.rollback)
+
+    async def finish_weight_update(self) -> dict:
+        return self.engine.weights.finish()
+
+    async def abort_weight_update(self) -> bool:
+        return self.engine.abort_weight_update()
+
+    async def end_weight_update(self, weight_version: int) -> dict:
+        return await asyncio.to_thread(self.engine.end_weight_update, weight_version)
+
+    async def get_weight_version(self) -> int:
+        return self.engine.get_weight_version()
+
+    async def inject_weight_update_fault(self, phase: str | None) -> None:
+        """Test hook: the next ``prepare`` or ``commit`` of a weight update raises (None: off)."""
+        self._weight_fault_phase = phase
+
+    def _weight_fault(self, phase: str) -> None:
+        if getattr(self, "_weight_fault_phase", None) == phase:
+            self._weight_fault_phase = None
+            raise RuntimeError(f"injected weight update fault at {phase} on {self.worker_id}")
+
     async def check_kv_conservation(self) -> dict:
         """Assert free + request-held + cache-held == pool size; return the numbers."""
         def check(s) -> dict:
@@ -224,8 +300,7 @@ class EngineWorker:
 
     async def metric_families(self) -> list:
         """This worker's Prometheus families (picklable) for the ingress's /metrics."""
-        snap = await self._in_loop(scheduler_snapshot)
-        return self.metrics.families(snap)
+        return self.metrics.families(await self.load())
 
     async def shutdown(self) -> None:
         self.engine.shutdown()

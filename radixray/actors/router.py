@@ -56,6 +56,12 @@ class RouterActor:
         self.router.set_policy(policy)
         logger.info("routing policy set to %s", policy)
 
+    async def set_weight_versions(self, versions: dict[str, int]) -> list[str]:
+        changed = self.router.set_weight_versions(versions)
+        if changed:
+            logger.info("router forgot the prefixes of %s (new weight version)", ", ".join(changed))
+        return changed
+
     async def forget_prefixes(self) -> None:
         self.router.forget_prefixes()
 

@@ -63,6 +63,8 @@ class WorkerLoad:
     engine_failed: bool = False
     paused: str | None = None  # the pause mode while generation is paused
     inflight: int = 0  # requests of this worker's open channels not finished yet
+    weight_version: int = 0
+    memory_released: list[str] = field(default_factory=list)  # tags released now
 
     def as_json(self) -> dict:
         return asdict(self)

@@ -99,7 +99,9 @@ class WorkerMetrics:
                           ("token_usage", "Share of the KV pool in use (requests + cache)."),
                           ("gen_throughput", "Decode tokens per second over the last log interval."),
                           ("engine_failed", "1 once the engine stopped serving after repeated "
-                           "step faults (the controller then restarts the worker).")):
+                           "step faults (the controller then restarts the worker)."),
+                          ("weight_version", "The version of the weights the worker serves (0: "
+                           "as loaded; each weight update names a greater one).")):
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["worker"])
             g.add_metric(w, float(getattr(snapshot, name)))
             out.append(g)
@@ -196,3 +198,28 @@ def router_families(state: dict, retries: int) -> list[Metric]:
         g.add_metric([], float(value))
         out.append(g)
     return out
+
+
+UPDATE_PHASE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300)
+
+
+class WeightUpdateMetrics:
+    """Fleet-wide weight updates (kept by the controller): seconds per phase and outcomes."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.phase = Histogram(PREFIX + "weight_update_phase_seconds", "Seconds each phase of a "
+                               "fleet-wide weight update took (pause, release, transfer, load, "
+                               "commit, resume; load = fill and repack, commit = swap in).",
+                               ["phase"], buckets=UPDATE_PHASE_BUCKETS, registry=self.registry)
+        self.updates = Counter(PREFIX + "weight_updates", "Fleet-wide weight updates by result "
+                               "(ok, or failed: every worker kept the old weights).", ["result"],
+                               registry=self.registry)
+
+    def observe(self, phases: dict[str, float], ok: bool) -> None:
+        for phase, seconds in phases.items():
+            self.phase.labels(phase).observe(seconds)
+        self.updates.labels("ok" if ok else "failed").inc()
+
+    def families(self) -> list[Metric]:
+        return list(self.registry.collect())

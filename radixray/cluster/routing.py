@@ -111,6 +111,7 @@ class Router:
         self._last_evict = clock()
         self._reasons: Counter[str] = Counter()
         self._picks: Counter[str] = Counter()
+        self._versions: dict[str, int] = {}  # worker -> weight version its tree entries hold
 
     @property
     def settings(self) -> RouterSettings:
@@ -271,6 +272,16 @@ class Router:
         self._sessions.clear()
         self._rr_last = None
 
+    def set_weight_versions(self, versions: dict[str, int]) -> list[str]:
+        """Record each worker's weight version. A worker whose version changed loses its tree
+        entries: the prefixes it cached under older weights are never reused (its radix cache
+        retires them), so routing there for them would buy nothing. Returns those workers."""
+        changed = [w for w, v in versions.items() if self._versions.get(w, v) != v]
+        for worker in changed:
+            self._tree.remove_worker(worker)
+        self._versions.update(versions)
+        return changed
+
     def forget_prefixes(self) -> None:
         """Empty the prefix tree (the workers' caches were flushed; sessions stay)."""
         self._tree = PrefixTree()
@@ -303,6 +314,7 @@ class Router:
                     "consecutive_failures": self._breaker.consecutive_failures(w),
                     "tree_chars": sizes.get(w, 0),
                     "picks": self._picks.get(w, 0),
+                    "weight_version": self._versions.get(w),
                 }
                 for w in self._workers
             },

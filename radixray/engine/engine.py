@@ -16,11 +16,13 @@ from radixray.engine.detokenizer import IncrementalDetokenizer
 from radixray.engine.faults import ENGINE_FAILED_STATUS, EngineFailed, EngineHealth
 from radixray.engine.inputs import Limits, build_requests
 from radixray.engine.loader import resolve_model
+from radixray.engine.memory_saver import MemorySaver
 from radixray.engine.messages import MetaInfo, RequestUpdate
 from radixray.engine.model_runner import ModelRunner
 from radixray.engine.request import Req
 from radixray.engine.scheduler import AbortCommand, CallInLoop, Scheduler
 from radixray.engine.stop import StopChecker, eos_token_ids
+from radixray.engine.weight_session import DEFAULT_GROUP, WeightUpdater
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +61,9 @@ class _Subscriber:
     channel: StepChannel | None = None
 
 
-def take_update(req: Req) -> RequestUpdate:
-    """The output ``req`` produced since its last update (and its MetaInfo once finished)."""
+def take_update(req: Req, weight_version: int = 0) -> RequestUpdate:
+    """The output ``req`` produced since its last update (and its MetaInfo once finished;
+    ``weight_version``: the engine's current one)."""
     update = RequestUpdate(req.rid, req.output_ids[req.emitted:])
     if req.sampling.return_logprob:
         update.logprobs = req.output_logprobs[req.emitted:]
@@ -68,7 +71,7 @@ def take_update(req: Req) -> RequestUpdate:
             update.top_logprobs = req.output_top_logprobs[req.emitted:]
     req.emitted = len(req.output_ids)
     if req.finished:
-        update.meta = MetaInfo.of(req)
+        update.meta = MetaInfo.of(req, weight_version)
         if req.finish_reason.type == "error":
             update.error, update.status = req.finish_reason.message, req.finish_reason.status
     return update
@@ -102,6 +105,8 @@ class Engine:
         self._stopping = False
         self._failure_listeners: list = []
         self.scheduler.on_failed = self._on_failed
+        self.memory = MemorySaver(self.runner, self.scheduler)
+        self.weights = WeightUpdater(self.runner, self.scheduler, self.memory)
         self._thread = threading.Thread(target=self._loop, name="radixray-scheduler", daemon=True)
         self._thread.start()
 
@@ -143,14 +148,14 @@ class Engine:
                 continue
             if sub.channel is not None:
                 entry = batches.setdefault(id(sub.channel), (sub.channel, [], []))
-                entry[1].append(take_update(req))
+                entry[1].append(take_update(req, self.weights.version))
                 entry[2].append(req)
                 if req.finished:
                     with self._lock:
                         self._subs.pop(req.rid, None)
                 continue
             if sub.queue is not None:
-                chunk = take_update(req)
+                chunk = take_update(req, self.weights.version)
                 try:
                     sub.loop.call_soon_threadsafe(sub.queue.put_nowait, chunk)
                 except RuntimeError:  # the reader's event loop is closed: nobody reads on
@@ -277,6 +282,59 @@ class Engine:
         from radixray.engine.pause import resume
         return self.call_in_loop(resume)
 
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        """Give back the memory of ``tags`` (``kv_cache``, ``weights``; None: both) while
+        generation is paused (see engine/memory_saver.py); returns what was freed."""
+        return self.call_in_loop(lambda s: self.memory.release(tags), timeout=600)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        """Take back the memory of released ``tags`` (None: every released tag)."""
+        return self.call_in_loop(lambda s: self.memory.resume(tags), timeout=600)
+
+    # ---- weight updates (engine/weight_session.py) ------------------------------------
+    def begin_weight_update(self) -> None:
+        """Open a weight-update session (ValueError if one is open)."""
+        self.weights.begin()
+
+    def update_weights_from_tensor(self, named_tensors) -> dict:
+        """Stage Hugging Face-named tensors (pairs or a dict) in the open session."""
+        return self.weights.update_from_tensor(named_tensors)
+
+    def update_weights_from_disk(self, model_path: str) -> dict:
+        """Stage every tensor of a Hugging Face folder's (or one file's) safetensors."""
+        return self.weights.update_from_disk(model_path)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = DEFAULT_GROUP,
+                                  backend: str = "gloo", timeout_s: float = 600.0) -> dict:
+        """Join the trainer's torch.distributed group as rank ``rank_offset`` (blocks until all
+        ranks joined, at most ``timeout_s``; the same timeout bounds each broadcast)."""
+        return self.weights.init_group(master_address, master_port, rank_offset, world_size,
+                                       group_name, backend, timeout_s)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
+                                        group_name: str = DEFAULT_GROUP) -> dict:
+        """Receive the trainer's broadcast of ``names`` (in order) into the open session."""
+        return self.weights.update_from_distributed(names, dtypes, shapes, group_name)
+
+    def end_weight_update(self, weight_version: int) -> dict:
+        """Make the session's weights serve from the next step on, as ``weight_version``
+        (greater than the current one). Returns the version and the time of each phase."""
+        self.weights.prepare(weight_version)
+        try:
+            self.call_in_loop(self.weights.commit)
+        except BaseException:
+            self.weights.abort()
+            raise
+        return self.weights.finish()
+
+    def abort_weight_update(self) -> bool:
+        """Drop the open session; the current weights go on serving."""
+        return self.weights.abort()
+
+    def get_weight_version(self) -> int:
+        return self.weights.version
+
     def flush_cache(self) -> bool:
         """Drop all cached prefixes. False while requests are running (nothing changes then)."""
         return self.call_in_loop(lambda s: s.kv.flush_cache())
@@ -306,6 +364,7 @@ class Engine:
         if not self._thread.is_alive():
             # Nobody steps the scheduler any more: end what is left, so no caller waits forever.
             self.scheduler.abort_all("engine shut down")
+        self.weights.close()
 
     def __enter__(self):
         return self
@@ -348,7 +407,7 @@ class Engine:
         if not detok.stopped:
             text += detok.finish()
         out = {"text": text, "output_ids": list(req.output_ids),
-               "meta_info": MetaInfo.of(req).to_json()}
+               "meta_info": MetaInfo.of(req, self.weights.version).to_json()}
         if req.sampling.return_logprob:
             out["output_token_logprobs"] = list(req.output_logprobs)
             if req.sampling.top_logprobs_num:

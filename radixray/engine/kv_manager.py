@@ -3,6 +3,13 @@
 Every slot is in exactly one of three places: the allocator's free list, a
 request (slots past its locked prefix), or the radix tree. ``check_conservation``
 asserts ``free + request-held + cache-held == pool size``.
+
+Weight versions: a request's KV is shared through the prefix cache only under the
+weight version it was admitted under (``Req.kv_version``). After
+:meth:`KVManager.on_weight_version` a request admitted earlier (one paused in place
+across the update) goes on using its own KV but never inserts it into the cache;
+when it ends its KV is freed. New requests, retracted ones included, match and
+prefill under the new weights only.
 """
 
 from __future__ import annotations
@@ -15,7 +22,11 @@ from radixray.engine.request import Req
 
 
 class KVManager:
-    """Allocates, shares, caches and frees the KV of requests."""
+    """Allocates, shares, caches and frees the KV of requests.
+
+    A request shares its KV through ``cache`` only while ``req.kv_version`` equals
+    ``cache.version`` (see the module docstring). Scheduler thread only.
+    """
 
     def __init__(self, allocator: TokenSlotAllocator, req_pool: ReqToTokenPool, cache: RadixCache):
         self.allocator = allocator
@@ -46,7 +57,7 @@ class KVManager:
     def lock_cost(self, match: MatchResult) -> int:
         """Evictable cached tokens that locking ``match`` would take out of ``available_tokens``."""
         cost, node = 0, match.last_node
-        while node is not None and node is not self.cache.root_node:
+        while node.parent is not None:
             if node.lock_ref == 0:
                 cost += len(node)
             node = node.parent
@@ -64,6 +75,9 @@ class KVManager:
         self.cache.inc_lock_ref(match.last_node)
         req.last_node = match.last_node
         req.kv_len = req.cache_locked_len = n
+        req.kv_version = self.cache.version
+        if not req.weight_spans:  # its first token will come from the weights serving now
+            req.weight_spans.append([self.cache.version, 0])
         return True
 
     def extend(self, req: Req, n: int) -> torch.Tensor | None:
@@ -95,9 +109,14 @@ class KVManager:
         if already > req.cache_locked_len:
             self.allocator.free(row_slots[req.cache_locked_len:already].clone())
 
+    def _shares_cache(self, req: Req) -> bool:
+        """Whether the request's KV may go into the cache: enabled, and same weight version."""
+        return not self.cache.disabled and req.kv_version == self.cache.version
+
     def cache_unfinished(self, req: Req) -> None:
-        """After a prefill chunk: share the request's KV through the tree and keep it locked."""
-        if self.cache.disabled:
+        """After a prefill chunk: share the request's KV through the tree and keep it locked.
+        A request of an older weight version keeps its KV to itself."""
+        if not self._shares_cache(req):
             return
         self._insert(req)
         match = self.cache.match_prefix(req.all_ids[: req.kv_len])
@@ -112,8 +131,9 @@ class KVManager:
         """The request stops holding KV (finished, aborted, retracted or failed).
 
         Its computed KV goes into the tree (so a retried or repeated prompt hits),
-        or back to the free list when the cache is disabled. Slots reserved for a
-        step that never completed go back to the free list.
+        or back to the free list when the cache is disabled or the request's KV is of
+        an older weight version. Slots reserved for a step that never completed go
+        back to the free list.
         """
         if req.req_row is None:
             return
@@ -121,15 +141,23 @@ class KVManager:
             self.allocator.free(
                 self.table[req.req_row, req.kv_len:req.kv_len + req.kv_reserved].clone())
             req.kv_reserved = 0
-        if self.cache.disabled:
-            self.allocator.free(self.table[req.req_row, : req.kv_len].clone())
-        else:
+        if self._shares_cache(req):
             self._insert(req)
-            self.cache.dec_lock_ref(req.last_node)
+        else:
+            # cache_locked_len is 0 when the cache is disabled; with an older version,
+            # the retired tree frees the locked prefix once its last user lets go.
+            self.allocator.free(self.table[req.req_row, req.cache_locked_len:req.kv_len].clone())
+        self.cache.dec_lock_ref(req.last_node)
         self.req_pool.free(req.req_row)
         req.req_row = None
         req.last_node = None
         req.kv_len = req.cache_locked_len = 0
+
+    def on_weight_version(self, version: int) -> None:
+        """New weights (``version``) went live: cached KV of older versions is never matched
+        again, and requests admitted before keep but no longer share their KV. Call it on
+        the scheduler thread between steps."""
+        self.cache.set_version(version)
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix. Only possible while no request holds a row."""

@@ -26,18 +26,26 @@ class MetaInfo:
     first_token_latency: float | None
     e2e_latency: float | None
     num_retractions: int
+    weight_version: int = 0  # the weights that produced its last token
+    # [{"weight_version", "start", "end"}] output token index ranges per version, when
+    # the request lived through a weight update (None otherwise)
+    weight_versions: list[dict] | None = None
     worker_id: str | None = None  # set by the ingress that routed the request
 
     @classmethod
-    def of(cls, req: Req) -> MetaInfo:
+    def of(cls, req: Req, weight_version: int = 0) -> MetaInfo:
+        """``weight_version``: the engine's version now, for a request never admitted."""
         t0 = req.arrival_time
+        spans = req.weight_spans
         return cls(
             id=req.rid, finish_reason=req.finish_reason, prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
             queue_time=(req.admit_time - t0) if req.admit_time else None,
             first_token_latency=(req.first_token_time - t0) if req.first_token_time else None,
             e2e_latency=(req.finish_time - t0) if req.finish_time else None,
-            num_retractions=req.num_retractions)
+            num_retractions=req.num_retractions,
+            weight_version=spans[-1][0] if spans else weight_version,
+            weight_versions=version_ranges(spans, len(req.output_ids)) if len(spans) > 1 else None)
 
     def to_json(self) -> dict:
         """The ``meta_info`` object users see (``worker_id`` only when routed)."""
@@ -46,10 +54,21 @@ class MetaInfo:
                "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                "cached_tokens": self.cached_tokens, "queue_time": self.queue_time,
                "first_token_latency": self.first_token_latency,
-               "e2e_latency": self.e2e_latency, "num_retractions": self.num_retractions}
+               "e2e_latency": self.e2e_latency, "num_retractions": self.num_retractions,
+               "weight_version": self.weight_version}
+        if self.weight_versions is not None:
+            out["weight_versions"] = self.weight_versions
         if self.worker_id is not None:
             out["worker_id"] = self.worker_id
         return out
+
+
+def version_ranges(spans: list[list[int]], n_output: int) -> list[dict]:
+    """``[[version, first index], ...]`` -> ``[{"weight_version", "start", "end"}]`` over the
+    ``n_output`` output tokens (``end`` exclusive)."""
+    ends = [start for _, start in spans[1:]] + [n_output]
+    return [{"weight_version": v, "start": start, "end": end}
+            for (v, start), end in zip(spans, ends)]
 
 
 @dataclass(slots=True)

@@ -122,7 +122,7 @@ class ModelRunner:
         logger.info(
             "Model %s loaded in %.1f s: dtype=%s (%s), quantization=%s (%d linear layers, lm_head %s), "
             "%d layers, %d kv heads, head_dim %d",
-            getattr(hf, "architectures", ["?"])[0], load_s, str(self.dtype).removeprefix("torch."),
+            (getattr(hf, "architectures", None) or ["?"])[0], load_s, str(self.dtype).removeprefix("torch."),
             dtype_reason, config.quantization, self.quantized_layers,
             "int8" if config.quantize_lm_head else "unquantized", hf.num_hidden_layers,
             hf.num_key_value_heads, head_dim)

@@ -40,7 +40,12 @@ def pause(scheduler, mode: str) -> int:
 
 
 def resume(scheduler) -> bool:
-    """Schedule again; False if the scheduler was not paused."""
+    """Schedule again; False if the scheduler was not paused. ValueError, changing nothing,
+    while memory is released (engine/memory_saver.py): a step would run on freed tensors."""
+    released = sorted(getattr(scheduler, "memory_released", ()))
+    if released:
+        raise ValueError(f"continue_generation: the memory of {released} is released; "
+                         f"call resume_memory_occupation({released}) first")
     was = scheduler.paused is not None
     scheduler.paused = None
     return was

@@ -17,8 +17,20 @@ Ownership contract with the caller (the scheduler):
   the tree keeps its own copy and the caller's slots are duplicates: the caller
   frees them (the tree never frees slots it was not given).
 
+* Weight versions: KV computed under one version of the model's weights is
+  never reused under another. ``set_version(v)`` *retires* the current tree and
+  starts an empty one for ``v``; ``match_prefix`` and ``insert`` only ever see
+  the current tree. A retired tree keeps only the nodes some request still has
+  locked (a request paused in place across a weight update goes on reading its
+  old KV): its unlocked nodes are freed at once, and each locked one is freed
+  as soon as its last lock goes (``dec_lock_ref``). So a retired tree is never
+  matched, holds no evictable tokens, and is dropped when empty. A request
+  admitted under an older version must not ``insert`` its KV (the caller frees
+  it instead). The size counters and ``all_slots`` cover retired trees too, so
+  free + request-held + cache-held == pool size holds across updates.
+
 A node with ``lock_ref > 0`` is protected; locking a node locks its whole path
-to the root. The root holds no tokens and is never counted or evicted.
+to its tree's root. A root holds no tokens and is never counted or evicted.
 """
 
 from __future__ import annotations
@@ -81,6 +93,8 @@ class RadixCache:
     the scheduler can use the same code path with the cache off.
     ``eviction_policy``: ``"lru"`` evicts the least recently matched leaf first;
     ``"lfu"`` the least often matched one (ties broken by recency).
+    ``version`` is the weight version the current tree's KV belongs to (see
+    ``set_version``).
     """
 
     def __init__(self, allocator: TokenSlotAllocator | None, *, disable: bool = False,
@@ -92,6 +106,7 @@ class RadixCache:
         self.allocator = allocator
         self._disabled = disable
         self.eviction_policy = eviction_policy
+        self.version = 0
         self._reset_tree()
 
     @classmethod
@@ -108,6 +123,8 @@ class RadixCache:
     def _reset_tree(self) -> None:
         """Drop every node without freeing slots (used at construction and by ``reset``)."""
         self.root_node = TreeNode()
+        # Roots of trees of older weight versions that still hold locked KV, oldest first.
+        self._retired: list[TreeNode] = []
         self._evictable = 0
         self._protected = 0
         # A logical clock instead of wall time: strictly increasing, so LRU order
@@ -129,6 +146,24 @@ class RadixCache:
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
+
+    def set_version(self, version: int) -> None:
+        """New weights went live: from now on only KV computed under ``version`` is shared.
+
+        The current tree is retired: its unlocked nodes are freed now, its locked
+        ones (KV that running requests still read) stay until their last lock goes,
+        and none of it is ever matched again; an empty tree starts for ``version``.
+        The same version again is a no-op; a disabled cache only records it.
+        """
+        if version == self.version:
+            return
+        self.version = version
+        if self._disabled:
+            return
+        old, self.root_node = self.root_node, TreeNode()
+        self._evict_tree(old, self.total_size())
+        if old.children:
+            self._retired.append(old)
 
     # ----------------------------------------------------------------- lookup
 
@@ -228,7 +263,7 @@ class RadixCache:
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Protect ``node`` and every ancestor from eviction (one more user)."""
-        while node is not self.root_node and node is not None:
+        while node.parent is not None:
             if node.lock_ref == 0:
                 self._evictable -= len(node)
                 self._protected += len(node)
@@ -236,14 +271,36 @@ class RadixCache:
             node = node.parent
 
     def dec_lock_ref(self, node: TreeNode) -> None:
-        """Undo one ``inc_lock_ref(node)``; raises AssertionError on an unlocked node."""
-        while node is not self.root_node and node is not None:
+        """Undo one ``inc_lock_ref(node)``; raises AssertionError on an unlocked node.
+
+        In a retired tree (an older weight version) the nodes this leaves unlocked
+        are freed right away: nothing can match them any more.
+        """
+        start = node
+        while node.parent is not None:
             assert node.lock_ref > 0, "dec_lock_ref on a radix node that is not locked"
             if node.lock_ref == 1:
                 self._evictable += len(node)
                 self._protected -= len(node)
             node.lock_ref -= 1
             node = node.parent
+        assert not node.key, "dec_lock_ref on a radix node that was freed"
+        if node is not self.root_node and self._retired:
+            self._free_retired_path(start, node)
+
+    def _free_retired_path(self, node: TreeNode, root: TreeNode) -> None:
+        """Free the unlocked part of a retired tree's path from ``node`` up to ``root``.
+
+        A retired tree holds only locked nodes, and an ancestor is locked at least as
+        often as any descendant; so a node whose last lock just went has no children
+        left, and freeing bottom-up stops at the first node still locked.
+        """
+        while node.parent is not None and node.lock_ref == 0 and node.is_leaf:
+            parent = node.parent
+            self._drop_leaf(node)
+            node = parent
+        if not root.children and root in self._retired:
+            self._retired.remove(root)
 
     # --------------------------------------------------------------- eviction
 
@@ -252,8 +309,9 @@ class RadixCache:
             return (node.hit_count, node.last_access)
         return node.last_access
 
-    def _evictable_leaf(self, node: TreeNode) -> bool:
-        return node is not self.root_node and node.lock_ref == 0 and node.is_leaf
+    @staticmethod
+    def _evictable_leaf(node: TreeNode) -> bool:
+        return node.parent is not None and node.lock_ref == 0 and node.is_leaf
 
     def evict(self, num_tokens: int) -> int:
         """Free unlocked leaves, lowest score first, until ``num_tokens`` are freed.
@@ -261,13 +319,17 @@ class RadixCache:
         Stops early when nothing evictable is left. A parent whose last child
         is evicted becomes a leaf and competes in the same heap, so whole
         unlocked branches can go. Returns the number of tokens freed (may
-        exceed ``num_tokens`` because leaves are freed whole).
+        exceed ``num_tokens`` because leaves are freed whole). Only the current
+        tree has evictable nodes: retired trees free theirs as soon as they unlock.
         """
         if self._disabled or num_tokens <= 0:
             return 0
+        return self._evict_tree(self.root_node, num_tokens)
+
+    def _evict_tree(self, root: TreeNode, num_tokens: int) -> int:
         heap = []
         seq = 0  # tie-breaker so the heap never compares TreeNode objects
-        for leaf in self._iter_nodes():
+        for leaf in self._iter_nodes(root):
             if self._evictable_leaf(leaf):
                 heap.append((self._score(leaf), seq, leaf))
                 seq += 1
@@ -277,17 +339,21 @@ class RadixCache:
             _, _, node = heapq.heappop(heap)
             if node.parent is None or not self._evictable_leaf(node):
                 continue
-            if self.allocator is not None and node.slots.numel():
-                self.allocator.free(node.slots)
-            freed += len(node)
-            self._evictable -= len(node)
             parent = node.parent
-            del parent.children[node.key[0]]
-            node.parent = None
+            freed += len(node)
+            self._drop_leaf(node)
             if self._evictable_leaf(parent):
                 heapq.heappush(heap, (self._score(parent), seq, parent))
                 seq += 1
         return freed
+
+    def _drop_leaf(self, node: TreeNode) -> None:
+        """Free an unlocked leaf's slots and detach it from its parent."""
+        if self.allocator is not None and node.slots.numel():
+            self.allocator.free(node.slots)
+        self._evictable -= len(node)
+        del node.parent.children[node.key[0]]
+        node.parent = None
 
     # ------------------------------------------------------------ inspection
 
@@ -300,25 +366,41 @@ class RadixCache:
         return self._protected
 
     def total_size(self) -> int:
+        """Tokens the cache holds, retired trees included."""
         return self._evictable + self._protected
 
-    def _iter_nodes(self):
-        """Every non-root node, depth first (iterative: deep trees must not hit recursion limits)."""
-        stack = list(self.root_node.children.values())
+    def retired_size(self) -> int:
+        """Tokens held by retired trees (all locked by requests admitted before an update)."""
+        return sum(len(n) for root in self._retired for n in self._iter_nodes(root))
+
+    def _iter_nodes(self, root: TreeNode | None = None):
+        """Every non-root node of ``root``'s tree (default: the current one), depth first
+        (iterative: deep trees must not hit recursion limits)."""
+        stack = list((self.root_node if root is None else root).children.values())
         while stack:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
 
     def all_slots(self) -> torch.Tensor:
-        """Concatenation of every slot the tree holds (for debug / conservation checks)."""
-        pieces = [n.slots for n in self._iter_nodes()]
+        """Concatenation of every slot the cache holds, retired trees included (for debug /
+        conservation checks)."""
+        pieces = [n.slots for root in [self.root_node, *self._retired] for n in self._iter_nodes(root)]
         return torch.cat(pieces) if pieces else _empty_slots()
 
     def pretty_print(self) -> str:
-        """Indented dump of the tree: token preview, length, lock_ref, hits, access time."""
-        lines = [f"root (evictable={self._evictable}, protected={self._protected})"]
-        stack = [(c, 1) for c in reversed(list(self.root_node.children.values()))]
+        """Indented dump of the tree: token preview, length, lock_ref, hits, access time;
+        then each retired tree."""
+        lines = [f"root v{self.version} (evictable={self._evictable}, protected={self._protected})"]
+        self._pretty_tree(self.root_node, lines)
+        for root in self._retired:
+            lines.append("retired root")
+            self._pretty_tree(root, lines)
+        return "\n".join(lines)
+
+    @staticmethod
+    def _pretty_tree(root: TreeNode, lines: list[str]) -> None:
+        stack = [(c, 1) for c in reversed(list(root.children.values()))]
         while stack:
             node, depth = stack.pop()
             preview = node.key[:8]
@@ -328,4 +410,3 @@ class RadixCache:
                 f"hits={node.hit_count} t={node.last_access}"
             )
             stack.extend((c, depth + 1) for c in reversed(list(node.children.values())))
-        return "\n".join(lines)

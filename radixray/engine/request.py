@@ -66,6 +66,9 @@ class Req:
     kv_reserved: int = 0
     cache_locked_len: int = 0
     last_node: object | None = None
+    # the weight version the KV so far was computed under (set at admission); KV of an
+    # older version is never shared through the prefix cache (engine/weights.py)
+    kv_version: int = 0
     # length of this step's new tokens (set when scheduled)
     extend_len: int = 0
 
@@ -80,6 +83,9 @@ class Req:
     generator: torch.Generator | None = None
     # how many output tokens have been handed to the caller
     emitted: int = 0
+    # [weight version, index of the first output token it produced], one per version the
+    # request lived under (set at admission, extended by each weight update it lives through)
+    weight_spans: list[list[int]] = field(default_factory=list)
 
     def commit_kv(self, n: int) -> None:
         """The step's forward pass wrote KV for the next ``n`` (reserved) tokens."""

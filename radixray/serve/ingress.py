@@ -4,7 +4,11 @@ import annotations` here: FastAPI must see the real annotation objects).
 Routes: POST /v1/chat/completions, /v1/completions, /generate, /flush_cache;
 GET /v1/models, /metrics, /health, /health_generate, /ready; fleet admin: GET
 /fleet, POST /fleet/workers/{id}/drain, /fleet/workers/{id}/resume, /fleet/router;
-RL control: POST /pause_generation, /continue_generation (every worker).
+RL control (every worker; see actors/weight_rollout.py): POST /pause_generation,
+/continue_generation, /release_memory_occupation, /resume_memory_occupation,
+/update_weights_from_disk, /init_weights_update_group, /update_weights_from_distributed;
+GET /get_weight_version. Tensor updates from a colocated trainer go through the
+controller's Ray handle (``update_weights`` with a tensor source), not HTTP.
 Every error is an OpenAI-style ``{"error": {...}}`` body; schema errors are 400
 and name the field. The generation routes read an ``X-Session-Id`` header: with
 session affinity on, requests of one session go to one worker.
@@ -29,8 +33,12 @@ from radixray.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
+    InitWeightsUpdateGroup,
+    MemoryTags,
     PauseGeneration,
     RouterUpdate,
+    UpdateWeightsFromDisk,
+    UpdateWeightsFromDistributed,
 )
 
 logger = logging.getLogger("radixray.ingress")
@@ -235,13 +243,60 @@ class Ingress:
         """Pause every worker (mode abort, retract or in_place); new requests wait until
         /continue_generation. Answers the requests each worker's mode touched."""
         mode = (body or PauseGeneration()).mode
-        touched = await self._admin(self.controller.pause_generation.remote(mode))
+        touched = await self._per_worker(self.controller.pause_generation.remote(mode))
         return {"mode": mode, "requests": touched}
 
     @app.post("/continue_generation")
     async def continue_generation(self):
         """Every worker schedules again; answers whether each was paused."""
-        return {"was_paused": await self._admin(self.controller.continue_generation.remote())}
+        return {"was_paused": await self._per_worker(self.controller.continue_generation.remote())}
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(self, body: MemoryTags | None = None):
+        """Free the memory of ``tags`` on every (paused) worker."""
+        tags = (body or MemoryTags()).tags
+        return await self._per_worker(self.controller.release_memory_occupation.remote(tags))
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(self, body: MemoryTags | None = None):
+        tags = (body or MemoryTags()).tags
+        return await self._per_worker(self.controller.resume_memory_occupation.remote(tags))
+
+    @app.get("/get_weight_version")
+    async def get_weight_version(self):
+        return await self._admin(self.controller.get_weight_version.remote())
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(self, body: UpdateWeightsFromDisk):
+        """One all-or-none update of every worker from a checkpoint on disk."""
+        source = {"kind": "disk", "path": body.model_path}
+        return await self._update(source, body)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(self, body: InitWeightsUpdateGroup):
+        return await self._admin(self.controller.init_weights_update_group.remote(
+            body.master_address, body.master_port, body.world_size, body.group_name,
+            body.backend, body.timeout_s))
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(self, body: UpdateWeightsFromDistributed):
+        source = {"kind": "distributed", "names": body.names, "dtypes": body.dtypes,
+                  "shapes": body.shapes, "group_name": body.group_name}
+        return await self._update(source, body)
+
+    async def _update(self, source: dict, body) -> dict:
+        result = await self._admin(self.controller.update_weights.remote(
+            source, body.weight_version, body.pause_mode, body.release_memory, body.keep_paused))
+        return {"success": True, "message": f"weights updated to version "
+                f"{result['weight_version']}", **result}
+
+    async def _per_worker(self, call) -> dict:
+        """A fan-out's results by worker; 400 naming each worker that refused."""
+        results = await self._admin(call)
+        errors = {w: r["error"] for w, r in results.items() if isinstance(r, dict) and "error" in r}
+        if errors:
+            raise ApiError(400, "; ".join(f"{w}: {e}" for w, e in sorted(errors.items())))
+        return results
 
     @app.get("/metrics")
     async def metrics(self):

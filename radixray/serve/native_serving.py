@@ -13,8 +13,6 @@ from radixray.serve.frontend import ApiError, Choice, Frontend
 from radixray.serve.openai_serving import SSE_DONE, sse
 from radixray.serve.protocol import GenerateRequest
 
-WEIGHT_VERSION = "default"
-
 
 def _prompts(fe: Frontend, req: GenerateRequest) -> tuple[list[list[int]], bool]:
     if (req.text is None) == (req.input_ids is None):
@@ -48,7 +46,6 @@ def _meta(fe: Frontend, c: Choice, with_logprobs: bool) -> dict:
     meta = c.meta.to_json() if c.meta else {"id": c.rid, "finish_reason": None,
                                          "prompt_tokens": len(c.prompt_ids),
                                          "completion_tokens": len(c.output_ids)}
-    meta["weight_version"] = WEIGHT_VERSION
     if with_logprobs:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.output_ids)]
         if c.top_logprobs:

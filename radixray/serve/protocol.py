@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from radixray.cluster.routing import PolicyName
 
 MAX_TOP_LOGPROBS = 20
+PauseMode = Literal["abort", "retract", "in_place"]
+MemoryTag = Literal["kv_cache", "weights"]
 
 
 class StreamOptions(BaseModel):
@@ -118,7 +120,56 @@ class PauseGeneration(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["abort", "retract", "in_place"] = "abort"
+    mode: PauseMode = "abort"
+
+
+class MemoryTags(BaseModel):
+    """POST /release_memory_occupation, /resume_memory_occupation (null: every tag)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tags: list[MemoryTag] | None = None
+
+
+class _FleetUpdate(BaseModel):
+    """How a fleet-wide weight update runs (see actors/weight_rollout.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    weight_version: int | None = Field(None, ge=1, description="default: the current one + 1")
+    pause_mode: PauseMode | None = "retract"
+    release_memory: list[Literal["kv_cache"]] = []
+    keep_paused: bool = False
+
+
+class UpdateWeightsFromDisk(_FleetUpdate):
+    """POST /update_weights_from_disk: a Hugging Face folder or .safetensors file that every
+    worker can read."""
+
+    model_path: str = Field(min_length=1)
+
+
+class InitWeightsUpdateGroup(BaseModel):
+    """POST /init_weights_update_group: every worker joins the trainer's (rank 0) group."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    master_address: str = Field(min_length=1)
+    master_port: int = Field(ge=1, le=65535)
+    world_size: int = Field(ge=2)
+    group_name: str = "weight_update_group"
+    backend: Literal["gloo", "nccl"] = "gloo"
+    timeout_s: float = Field(120.0, gt=0, le=3600, description="how long to wait for every rank")
+
+
+class UpdateWeightsFromDistributed(_FleetUpdate):
+    """POST /update_weights_from_distributed: receive the trainer's broadcast of these
+    tensors, in this order, over ``group_name``."""
+
+    names: list[str] = Field(min_length=1)
+    dtypes: list[Literal["float32", "float16", "bfloat16"]]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
 
 
 class RouterUpdate(BaseModel):

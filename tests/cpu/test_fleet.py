@@ -194,6 +194,100 @@ def test_drain_finishes_in_flight_and_routes_new_requests_elsewhere(fleet):
     _wait_idle(fleet)
 
 
+def _versions(base: str) -> dict:
+    r = httpx.get(f"{base}/get_weight_version", timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _assert_serves(base: str, hf, prompts: list[list[int]], version: int) -> None:
+    """Greedy /generate output equals ``hf``'s on every worker (each drained in turn)."""
+    from model_fixtures import hf_greedy
+    for worker, other in (("worker-0", "worker-1"), ("worker-1", "worker-0")):
+        _admin(base, f"/fleet/workers/{other}/drain")
+        for prompt in prompts:
+            r = httpx.post(f"{base}/generate", json={"input_ids": prompt, "sampling_params": {
+                "max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}, timeout=60)
+            assert r.status_code == 200, r.text
+            meta = r.json()["meta_info"]
+            assert meta["worker_id"] == worker and meta["weight_version"] == version
+            assert r.json()["output_ids"] == hf_greedy(hf, prompt, 8)[0], f"{worker} {prompt}"
+        _admin(base, f"/fleet/workers/{other}/resume")
+
+
+def test_fleet_wide_weight_updates_are_all_or_none(fleet, tiny_llama_dir, tmp_path):
+    """A tensor update through the controller's handle and a disk update over HTTP land on
+    both workers with one version; a commit fault injected on one worker leaves both on
+    the old weights; phases reach /metrics; memory release refuses unless paused."""
+    import ray
+    import torch
+    from model_fixtures import random_prompts
+    from transformers import AutoModelForCausalLM
+    from weight_helpers import perturb
+
+    from radixray.cluster.shared_weights import SharedWeightsWriter
+    controller = _controller()
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    prompts = random_prompts(hf.config.vocab_size)[3:5]
+    assert _versions(fleet)["workers"] == {"worker-0": 0, "worker-1": 0}
+
+    named = perturb(hf, seed=21)
+    shared = SharedWeightsWriter(named, directory=str(tmp_path))
+    result = ray.get(controller.update_weights.remote({"kind": "tensor",
+                                                       "shared": shared.write(named)}))
+    shared.close()
+    assert result["weight_version"] == 1 and result["workers"] == ["worker-0", "worker-1"]
+    assert set(result["phases"]) == {"pause", "transfer", "load", "commit", "resume"}
+    assert _versions(fleet) == {"weight_version": 1, "workers": {"worker-0": 1, "worker-1": 1}}
+    _assert_serves(fleet, hf, prompts, 1)
+
+    v1 = {n: p.clone() for n, p in hf.named_parameters()}
+    perturb(hf, seed=22)
+    hf.save_pretrained(tmp_path / "v2", safe_serialization=True)
+    worker1 = ray.get(controller.worker.remote("worker-1")).handle
+    ray.get(worker1.inject_weight_update_fault.remote("commit"))
+    r = httpx.post(f"{fleet}/update_weights_from_disk", json={"model_path": str(tmp_path / "v2")},
+                   timeout=120)
+    assert r.status_code == 400 and "worker-1" in r.json()["error"]["message"], r.text
+    assert _versions(fleet)["workers"] == {"worker-0": 1, "worker-1": 1}
+    v2 = {n: p.clone() for n, p in hf.named_parameters()}
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            p.copy_(v1[n])
+    _assert_serves(fleet, hf, prompts, 1)  # worker-0 committed, then rolled back
+
+    bad = httpx.post(f"{fleet}/update_weights_from_disk", json={
+        "model_path": str(tmp_path / "v2"), "weight_version": 1}, timeout=60)
+    assert bad.status_code == 400 and "greater than the current weight version 1" in bad.text
+    r = httpx.post(f"{fleet}/update_weights_from_disk", json={
+        "model_path": str(tmp_path / "v2"), "weight_version": 4, "pause_mode": "abort",
+        "release_memory": ["kv_cache"]}, timeout=120)
+    assert r.status_code == 200 and r.json()["weight_version"] == 4, r.text
+    assert "release" in r.json()["phases"]
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            p.copy_(v2[n])
+    _assert_serves(fleet, hf, prompts, 4)
+    page = httpx.get(f"{fleet}/metrics").text
+    assert metric(page, "radixray:weight_version", worker="worker-1") == 4
+    assert metric(page, "radixray:weight_updates_total", result="failed") == 1
+    assert metric(page, "radixray:weight_update_phase_seconds_count", phase="load") == 3
+    assert {w["worker_id"]: w["weight_version"] for w in _state(fleet)["workers"]} == {
+        "worker-0": 4, "worker-1": 4}
+
+    refused = httpx.post(f"{fleet}/release_memory_occupation", json={"tags": ["kv_cache"]})
+    assert refused.status_code == 400 and "pause_generation" in refused.text
+    _admin(fleet, "/pause_generation", {"mode": "retract"})
+    released = _admin(fleet, "/release_memory_occupation", {"tags": ["kv_cache", "weights"]})
+    assert all(v["bytes"] > 0 for v in released.values())
+    stuck = httpx.post(f"{fleet}/continue_generation", timeout=60)
+    assert stuck.status_code == 400 and "resume_memory_occupation" in stuck.text
+    _admin(fleet, "/resume_memory_occupation", {})
+    _admin(fleet, "/continue_generation")
+    _assert_serves(fleet, hf, prompts, 4)
+    _wait_idle(fleet)
+
+
 def test_killed_worker_is_restarted_and_requests_end_cleanly(fleet):
     import threading
 

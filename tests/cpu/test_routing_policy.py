@@ -392,3 +392,17 @@ def test_forget_prefixes_empties_the_tree_but_keeps_sessions():
     assert router.tree.total_chars() == 0 and router.state()["sessions"] == 1
     d = router.pick("the same long system prompt and question")
     assert d.reason == "low_match"  # nothing to match any more
+
+
+def test_a_worker_with_new_weights_loses_its_prefixes_and_others_keep_theirs():
+    router, _ = make_router()
+    router.set_weight_versions({"a": 0, "b": 0})
+    router.tree.insert(PROMPT, "a", 0.0)
+    router.tree.insert(PROMPT[:50], "b", 0.0)
+    assert router.set_weight_versions({"a": 0, "b": 0}) == []
+    assert router.tree.match(PROMPT) == {"a": 100, "b": 50}
+    assert router.set_weight_versions({"a": 3}) == ["a"]
+    assert router.tree.match(PROMPT) == {"b": 50}
+    assert router.state()["workers"]["a"]["weight_version"] == 3
+    decision = router.pick(PROMPT)
+    assert decision.worker == "b" and decision.reason == "cache_match"

@@ -52,10 +52,3 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kernels: CpuKernels) -> torch.Tensor:
         """Rotate ``x`` of shape ``[T, heads, head_dim]`` by each token's position."""
         return kernels.rotary(x, positions, self.cos, self.sin)
-
-
-def load_into_shard(param: torch.Tensor, loaded: torch.Tensor, offset: int, size: int) -> None:
-    """Copy ``loaded`` into rows ``[offset, offset + size)`` of a fused parameter."""
-    if loaded.shape[0] != size:
-        raise ValueError(f"shard of {size} rows expected, checkpoint tensor has shape {tuple(loaded.shape)}")
-    param.data[offset:offset + size].copy_(loaded)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from radixray.engine.forward_batch import ForwardBatch, ForwardMode
-from radixray.engine.models.layers import RMSNorm, RotaryEmbedding, load_into_shard
+from radixray.engine.models.layers import RMSNorm, RotaryEmbedding
 from radixray.kernels.cpu_ops import CpuKernels, reference_kernels
 from radixray.kernels.int8_linear import Int8Linear
 
@@ -133,41 +133,18 @@ class LlamaForCausalLM(nn.Module):
         return self.kernels.linear(h, self.lm_head_weight).float()
 
     # ---- weight loading -------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into the fused parameters; unknown names are an error."""
-        params = dict(self.named_parameters())
+    def fused_shards(self) -> dict[str, tuple[tuple[str, int], ...]]:
+        """Fused projection -> the Hugging Face projections stacked in it, in row order with
+        their row counts (read by :class:`~radixray.engine.weight_layout.WeightLayout`)."""
         attn0 = self.layers[0].self_attn
-        q, kv = attn0.q_size, attn0.kv_size
-        inter = self.layers[0].mlp.inter
-        fused = {
-            "q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
-            "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter),
-        }
-        seen = set()
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if "rotary_emb" in name or (name.startswith("lm_head") and self.tie_word_embeddings):
-                continue
-            for part, (target, offset, size) in fused.items():
-                if f".{part}." in name:
-                    target_name = name.replace(part, target)
-                    load_into_shard(params[target_name], tensor, offset, size)
-                    seen.add(f"{target_name}:{part}")
-                    break
-            else:
-                if name not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
-                if params[name].shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model "
-                                     f"{tuple(params[name].shape)}")
-                params[name].data.copy_(tensor)
-                seen.add(name)
-        expected = set()
-        for pname in params:
-            owner = pname.split(".")[-2] if "." in pname else ""
-            parts = [p for p, (t, _, _) in fused.items() if t == owner]
-            expected.update(f"{pname}:{p}" for p in parts) if parts else expected.add(pname)
-        # Biases of fused projections come from the same shard names as their weights.
-        missing = sorted(expected - seen)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+        q, kv, inter = attn0.q_size, attn0.kv_size, self.layers[0].mlp.inter
+        return {"qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
+                "gate_up_proj": (("gate_proj", inter), ("up_proj", inter))}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the (fused) parameters. ValueError names an
+        unknown tensor, a wrong shape, or the tensors a full checkpoint lacks."""
+        from radixray.engine.weight_layout import WeightLayout, WeightStage
+        stage = WeightStage(WeightLayout(self), live=True)
+        stage.add_all(weights)
+        stage.check_complete()

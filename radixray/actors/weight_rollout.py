@@ -1,0 +1,173 @@
+"""One weight update across every live worker, all or none (the controller runs it).
+
+Phases, each timed (returned and exported as ``radixray:weight_update_phase_seconds``):
+
+1. ``pause``: every worker pauses in the chosen mode (``retract`` by default; ``None``
+   skips it: the new weights then go live between two steps, as after ``in_place``);
+2. ``release``: optional memory release (only ``kv_cache``: staging the new weights
+   reads the old ones, and the freed KV pool makes room for the staged copy);
+3. ``transfer``: every worker opens a session and stages the weights (from disk, from a
+   tensor payload in the object store, or from a trainer's broadcast);
+4. ``load``: every worker prepares (fills rows not sent, repacks int8 layers);
+5. ``commit``: every worker swaps the new weights in with the same version;
+6. ``resume``: released memory comes back and generation continues.
+
+If any worker fails before every commit succeeded, every session is dropped and every
+worker that had committed rolls back, so all serve the old version, and the call
+raises :class:`FleetUpdateFailed` naming the worker and its error. Memory and pause
+are restored either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from radixray.cluster.errors import unwrap_ray_error
+from radixray.engine.pause import PAUSE_MODES
+
+logger = logging.getLogger("radixray.controller")
+
+SOURCES = ("disk", "tensor", "distributed")
+RELEASABLE_DURING_UPDATE = ("kv_cache",)
+
+
+class FleetUpdateFailed(RuntimeError):
+    """A fleet-wide update failed on some worker; every worker serves the old weights."""
+
+
+@dataclass
+class WeightSource:
+    """Where the new weights come from.
+
+    ``disk``: ``path`` (a Hugging Face folder or a .safetensors file every worker can read).
+    ``tensor``: ``shared``, a :class:`~radixray.cluster.shared_weights.SharedWeightsHandle`
+    (a colocated trainer's shared-memory file, the fast path), or ``payload``, a
+    one-element list holding the ObjectRef of a
+    :func:`~radixray.cluster.tensor_payload.to_payload` list (the list keeps Ray from
+    resolving it in the controller; each worker maps it from the object store).
+    ``distributed``: ``names``, ``dtypes``, ``shapes`` of the tensors the trainer (rank 0)
+    broadcasts over ``group_name`` (see the controller's ``init_weights_update_group``).
+    """
+
+    kind: str
+    path: str | None = None
+    payload: list | None = None
+    shared: object = None
+    names: list[str] = field(default_factory=list)
+    dtypes: list = field(default_factory=list)
+    shapes: list = field(default_factory=list)
+    group_name: str = "weight_update_group"
+
+    def __post_init__(self) -> None:
+        if self.kind not in SOURCES:
+            raise ValueError(f"source must be one of {SOURCES}, got {self.kind!r}")
+        if self.kind == "disk" and not self.path:
+            raise ValueError("a disk update needs model_path")
+        if self.kind == "tensor" and self.shared is None and not (
+                isinstance(self.payload, list) and len(self.payload) == 1):
+            raise ValueError("a tensor update needs shared=SharedWeightsWriter(...).write(named) "
+                             "or payload=[ray.put(to_payload(named))]")
+        if self.kind == "distributed" and not self.names:
+            raise ValueError("a distributed update needs names, dtypes and shapes")
+
+    def stage(self, handle):
+        """The worker call that stages this source on ``handle``."""
+        if self.kind == "disk":
+            return handle.update_weights_from_disk.remote(self.path)
+        if self.kind == "tensor":
+            return handle.update_weights_from_tensor.remote(
+                self.shared if self.shared is not None else self.payload[0])
+        return handle.update_weights_from_distributed.remote(self.names, self.dtypes, self.shapes,
+                                                             self.group_name)
+
+
+def check_plan(pause_mode: str | None, release: list[str]) -> None:
+    if pause_mode is not None and pause_mode not in PAUSE_MODES:
+        raise ValueError(f"pause_mode must be one of {PAUSE_MODES} or null, got {pause_mode!r}")
+    bad = [t for t in release if t not in RELEASABLE_DURING_UPDATE]
+    if bad:
+        raise ValueError(f"release_memory may only hold {list(RELEASABLE_DURING_UPDATE)} during a "
+                         f"weight update (the update reads the serving weights); got {bad}")
+    if release and pause_mode not in ("abort", "retract"):
+        raise ValueError("releasing kv_cache during an update needs pause_mode abort or retract "
+                         "(running requests must not hold KV)")
+
+
+async def _on_all(workers: dict, call) -> dict:
+    """``call(handle)`` on every worker at once: results by worker id; FleetUpdateFailed
+    naming every worker that raised."""
+    ids = list(workers)
+    results = await asyncio.gather(*(call(workers[w]) for w in ids), return_exceptions=True)
+    errors = {w: str(unwrap_ray_error(r)) for w, r in zip(ids, results)
+              if isinstance(r, BaseException)}
+    if errors:
+        raise FleetUpdateFailed("; ".join(f"{w}: {e}" for w, e in errors.items()))
+    return dict(zip(ids, results))
+
+
+async def _quietly(workers: dict, call) -> None:
+    """Best-effort clean-up call on every worker (errors logged, not raised)."""
+    ids = list(workers)
+    results = await asyncio.gather(*(call(workers[w]) for w in ids), return_exceptions=True)
+    for w, r in zip(ids, results):
+        if isinstance(r, BaseException):
+            logger.warning("weight update clean-up on %s failed: %s", w, unwrap_ray_error(r))
+
+
+async def run_fleet_update(workers: dict, source: WeightSource, version: int,
+                           pause_mode: str | None = "retract", release: list[str] = (),
+                           keep_paused: bool = False, phases: dict | None = None) -> dict:
+    """Run the phases above on ``workers`` (worker id -> actor handle); returns
+    ``{"weight_version", "workers", "phases"}``. Raises FleetUpdateFailed (all on the
+    old version) or ValueError for a bad plan (nothing done). ``phases`` (the caller's
+    dict) receives each phase's seconds, on failure too."""
+    check_plan(pause_mode, list(release))
+    if not workers:
+        raise FleetUpdateFailed("no live worker to update")
+    phases = {} if phases is None else phases
+    committed: dict = {}
+
+    async def timed(phase: str, call) -> dict:
+        t0 = time.perf_counter()
+        try:
+            return await _on_all(workers, call)
+        finally:
+            phases[phase] = phases.get(phase, 0.0) + time.perf_counter() - t0
+
+    try:
+        if pause_mode is not None:
+            await timed("pause", lambda h: h.pause_generation.remote(pause_mode))
+        if release:
+            await timed("release", lambda h: h.release_memory_occupation.remote(list(release)))
+        await timed("transfer", lambda h: h.begin_weight_update.remote())
+        await timed("transfer", source.stage)
+        await timed("load", lambda h: h.prepare_weight_update.remote(version))
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(workers[w].commit_weight_update.remote() for w in workers),
+                                       return_exceptions=True)
+        phases["commit"] = time.perf_counter() - t0
+        committed = {w: workers[w] for w, r in zip(workers, results)
+                     if not isinstance(r, BaseException)}
+        if len(committed) != len(workers):
+            errors = {w: str(unwrap_ray_error(r)) for w, r in zip(workers, results)
+                      if isinstance(r, BaseException)}
+            raise FleetUpdateFailed("; ".join(f"{w}: {e}" for w, e in errors.items()))
+        await _on_all(workers, lambda h: h.finish_weight_update.remote())
+        committed = {}
+    except BaseException as exc:
+        logger.error("fleet weight update to version %d failed, keeping the old weights: %s",
+                     version, exc)
+        await _quietly(committed, lambda h: h.rollback_weight_update.remote())
+        await _quietly(workers, lambda h: h.abort_weight_update.remote())
+        raise
+    finally:
+        t0 = time.perf_counter()
+        if release:
+            await _quietly(workers, lambda h: h.resume_memory_occupation.remote(list(release)))
+        if pause_mode is not None and not keep_paused:
+            await _quietly(workers, lambda h: h.continue_generation.remote())
+        phases["resume"] = time.perf_counter() - t0
+    return {"weight_version": version, "workers": sorted(workers), "phases": phases}
