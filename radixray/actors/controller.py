@@ -22,13 +22,13 @@ import asyncio
 import logging
 import time
 
-from radixray.actors.weight_rollout import FleetUpdateFailed, WeightSource, run_fleet_update
+from radixray.actors.weight_rollout import FleetWeights
 from radixray.cluster.config import ServeConfig
 from radixray.cluster.errors import WorkerUnavailable, unwrap_ray_error
 from radixray.cluster.messages import FleetHealth, WorkerEntry, WorkerInfo
-from radixray.cluster.metrics import WeightUpdateMetrics, controller_families
+from radixray.cluster.metrics import controller_families
 from radixray.cluster.registry import Registry, WorkerRecord
-from radixray.engine.weight_session import DEFAULT_GROUP, check_version
+from radixray.engine.weight_session import DEFAULT_GROUP
 
 logger = logging.getLogger("radixray.controller")
 
@@ -50,9 +50,7 @@ class Controller:
         self._owners: dict[str, float] = {}  # ingress replica -> last heartbeat (monotonic)
         self._created = time.monotonic()
         self._watchdog: asyncio.Task | None = None
-        self.weight_version = 0  # of the last fleet-wide update
-        self._update_lock = asyncio.Lock()  # one weight update at a time
-        self.update_metrics = WeightUpdateMetrics()
+        self.weights = FleetWeights()  # the fleet's weight version and its updates
 
     # ---- start-up -------------------------------------------------------------------
     async def start(self) -> WorkerInfo:
@@ -127,10 +125,14 @@ class Controller:
         except Exception as exc:  # noqa: BLE001 - any start-up failure marks the slot dead
             self._mark_dead(rec, f"start-up failed: {unwrap_ray_error(exc)}")
             return
-        rec.set_state("draining" if self.draining else "ready")
+        behind = await self.weights.catch_up(rec)
+        if behind:
+            rec.error = behind
+            logger.warning("worker %s stays out of routing: %s", rec.worker_id, behind)
+        rec.set_state("draining" if self.draining or behind else "ready")
         rec.healthy, rec.last_ping_at = True, time.time()
         self._spawn(self._watch(rec, rec.generation))
-        if self.draining:
+        if self.draining or behind:
             await rec.handle.drain.remote()
         logger.info("worker %s ready (generation %d, pool %d tokens)", rec.worker_id,
                     rec.generation, info.max_total_tokens)
@@ -317,6 +319,9 @@ class Controller:
 
     async def resume_worker(self, worker_id: str) -> dict:
         rec = self.registry.get(worker_id)
+        if worker_id in self.weights.stale:
+            raise ValueError(f"worker {worker_id} serves weight version {rec.weight_version}, the "
+                             f"fleet {self.weights.version}: the next weight update resumes it")
         if rec.state != "draining" or self.draining:
             raise ValueError(f"worker {worker_id} is {rec.state}"
                              + (" and the fleet is draining" if self.draining else "")
@@ -394,7 +399,7 @@ class Controller:
         out = [x for x in results if not isinstance(x, BaseException)]
         if self.router is not None:
             out.append(await self.router.metric_families.remote())
-        out.append(controller_families(self.registry) + self.update_metrics.families())
+        out.append(controller_families(self.registry) + self.weights.metrics.families())
         return out
 
     # ---- RL control plane (actors/weight_rollout.py) ------------------------------------
@@ -408,7 +413,7 @@ class Controller:
     async def get_weight_version(self) -> dict:
         """The fleet's version (of its last update) and each live worker's own."""
         versions = await self._on_each_live(lambda h: h.get_weight_version.remote())
-        return {"weight_version": self.weight_version, "workers": versions}
+        return {"weight_version": self.weights.version, "workers": versions}
 
     async def init_weights_update_group(self, master_address: str, master_port: int,
                                         world_size: int, group_name: str = DEFAULT_GROUP,
@@ -430,25 +435,19 @@ class Controller:
                              release_memory: list[str] = (), keep_paused: bool = False) -> dict:
         """One weight update on every live worker, all or none (see weight_rollout.py).
         ``source``: WeightSource fields (``kind`` disk | tensor | distributed). The version
-        defaults to the fleet's current one + 1."""
-        async with self._update_lock:
-            version = check_version(self.weight_version + 1 if weight_version is None
-                                    else weight_version, self.weight_version)
-            live = self.registry.live()
-            phases: dict[str, float] = {}
-            try:
-                result = await run_fleet_update({r.worker_id: r.handle for r in live},
-                                                WeightSource(**source), version, pause_mode,
-                                                list(release_memory), keep_paused, phases)
-            except FleetUpdateFailed:
-                self.update_metrics.observe(phases, ok=False)
-                raise
-            self.update_metrics.observe(phases, ok=True)
-            self.weight_version = version
-            for rec in live:
-                rec.weight_version = version
-            await self._publish()
-            return result
+        defaults to the fleet's current one + 1. Workers left stale by a restart take
+        requests again afterwards."""
+        result = await self.weights.update(self.registry.live(), source, weight_version,
+                                           pause_mode, list(release_memory), keep_paused)
+        for rec in self.registry.live():
+            if rec.worker_id in self.weights.stale:
+                self.weights.stale.discard(rec.worker_id)
+                if not self.draining and rec.state == "draining":
+                    await rec.handle.resume.remote()
+                    rec.set_state("ready")
+                    rec.error = None
+        await self._publish()
+        return result
 
 
 def controller_actor_class():

@@ -26,7 +26,9 @@ import time
 from dataclasses import dataclass, field
 
 from radixray.cluster.errors import unwrap_ray_error
+from radixray.cluster.metrics import WeightUpdateMetrics
 from radixray.engine.pause import PAUSE_MODES
+from radixray.engine.weight_session import check_version
 
 logger = logging.getLogger("radixray.controller")
 
@@ -171,3 +173,68 @@ async def run_fleet_update(workers: dict, source: WeightSource, version: int,
             await _quietly(workers, lambda h: h.continue_generation.remote())
         phases["resume"] = time.perf_counter() - t0
     return {"weight_version": version, "workers": sorted(workers), "phases": phases}
+
+
+class FleetWeights:
+    """The fleet's weight version and its updates (one per controller).
+
+    A worker (re)started after an update loads the original weights (version 0). Before
+    it takes requests the controller calls :meth:`catch_up`: the last update is run again
+    on that worker alone when it can be (a disk source); otherwise the worker stays out
+    of routing (``stale``) until the next fleet-wide update brings it along, so no request
+    is served by weights the fleet no longer has.
+    """
+
+    def __init__(self):
+        self.version = 0
+        self.lock = asyncio.Lock()  # one update (or catch-up) at a time
+        self.metrics = WeightUpdateMetrics()
+        self.stale: set[str] = set()  # live workers left behind by a restart
+        self._replay: WeightSource | None = None  # the last update, if a worker can repeat it
+
+    async def update(self, records: list, source: dict, weight_version: int | None,
+                     pause_mode: str | None, release: list[str], keep_paused: bool) -> dict:
+        """Run one update on ``records`` (the live workers); set their versions on success.
+        The version defaults to the current one + 1."""
+        async with self.lock:
+            version = check_version(self.version + 1 if weight_version is None
+                                    else weight_version, self.version)
+            src = WeightSource(**source)
+            phases: dict[str, float] = {}
+            try:
+                result = await run_fleet_update({r.worker_id: r.handle for r in records}, src,
+                                                version, pause_mode, list(release), keep_paused,
+                                                phases)
+            except FleetUpdateFailed:
+                self.metrics.observe(phases, ok=False)
+                raise
+            self.metrics.observe(phases, ok=True)
+            self.version = version
+            self._replay = src if src.kind == "disk" else None
+            for rec in records:
+                rec.weight_version = version
+            return result
+
+    async def catch_up(self, rec) -> str | None:
+        """Bring a just-started worker to the fleet's version; None when it serves it, else
+        why it cannot (it then belongs in :attr:`stale`)."""
+        async with self.lock:
+            self.stale.discard(rec.worker_id)
+            if self.version == 0:
+                return None
+            if self._replay is None:
+                self.stale.add(rec.worker_id)
+                return (f"serves weight version 0 while the fleet is at {self.version} (the last "
+                        f"update came from a tensor or distributed source, which cannot be "
+                        f"repeated for one worker): it takes requests after the next update")
+            try:
+                await rec.handle.begin_weight_update.remote()
+                await self._replay.stage(rec.handle)
+                await rec.handle.end_weight_update.remote(self.version)
+            except Exception as exc:  # noqa: BLE001 - the worker stays out of routing
+                await _quietly({rec.worker_id: rec.handle}, lambda h: h.abort_weight_update.remote())
+                self.stale.add(rec.worker_id)
+                return f"could not take weight version {self.version}: {unwrap_ray_error(exc)}"
+            rec.weight_version = self.version
+            logger.info("worker %s caught up to weight version %d", rec.worker_id, self.version)
+            return None

@@ -132,7 +132,9 @@ class WeightUpdater:
         return self._staging("update_weights_from_tensor", fill)
 
     def update_from_disk(self, path: str) -> dict:
-        """Stage every tensor of a Hugging Face folder's (or one file's) safetensors."""
+        """Stage every tensor of a Hugging Face folder's (or one file's) safetensors. A folder
+        is a whole checkpoint: one that lacks a tensor fails the session (a truncated copy
+        must not serve); a single file may hold any subset (a delta)."""
         from safetensors import safe_open
 
         def fill(stage: WeightStage) -> None:
@@ -140,6 +142,10 @@ class WeightUpdater:
                 with safe_open(file, framework="pt") as st:
                     for name in st.keys():
                         stage.add(name, st.get_tensor(name))
+            missing = stage.missing() if os.path.isdir(path) else []
+            if missing:
+                raise ValueError(f"checkpoint folder {path!r} is missing {len(missing)} tensors, "
+                                 f"e.g. {missing[:3]}")
         return self._staging("update_weights_from_disk", fill)
 
     # ---- torch.distributed -------------------------------------------------------------

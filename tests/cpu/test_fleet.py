@@ -324,10 +324,15 @@ def test_killed_worker_is_restarted_and_requests_end_cleanly(fleet):
     else:
         raise AssertionError(f"worker-1 not back within {RESTART_DEADLINE_S} s: {workers}")
     assert workers["worker-1"]["restarts"] == 1 and "died" in workers["worker-1"]["error"]
+    # A restart loads the original weights; the last update (a disk one, when the weight
+    # test ran before) is replayed on it before it takes requests.
+    fleet_version = _versions(fleet)["weight_version"]
+    assert workers["worker-1"]["weight_version"] == fleet_version
     _admin(fleet, "/fleet/workers/worker-0/drain")  # force the next request onto the new one
     r = httpx.post(f"{fleet}/generate", json={"text": "back again",
                    "sampling_params": {"max_new_tokens": 3}}, timeout=60)
     assert r.status_code == 200 and r.json()["meta_info"]["worker_id"] == "worker-1", r.text
+    assert r.json()["meta_info"]["weight_version"] == fleet_version
     _admin(fleet, "/fleet/workers/worker-0/resume")
     _wait_idle(fleet)  # KV conservation on every live worker
     page = httpx.get(f"{fleet}/metrics").text

@@ -69,7 +69,18 @@ def test_disk_update_matches_hf_and_a_partial_update_keeps_the_rest(tiny_llama_d
         eng.update_weights_from_tensor({"model.layers.1.self_attn.q_proj.weight": q,
                                         "model.layers.0.mlp.down_proj.weight": down})
         eng.end_weight_update(6)
-        assert_matches_hf(eng, hf, prompts, NEW, "partial update", version=6)
+        outs = assert_matches_hf(eng, hf, prompts, NEW, "partial update", version=6)
+        # A checkpoint folder missing a tensor is truncated, not a delta: refused.
+        from safetensors.torch import load_file, save_file
+        weights = load_file(str(tmp_path / "v1" / "model.safetensors"))
+        del weights["model.layers.2.mlp.up_proj.weight"]
+        (tmp_path / "cut").mkdir()
+        save_file(weights, str(tmp_path / "cut" / "model.safetensors"))
+        eng.begin_weight_update()
+        with pytest.raises(ValueError, match=r"missing 1 tensors.*layers.2.mlp.up_proj"):
+            eng.update_weights_from_disk(str(tmp_path / "cut"))
+        assert eng.get_weight_version() == 6
+        _serves_unchanged(eng, prompts, [o["output_ids"] for o in outs], 6)
 
 
 def test_int8_layers_are_repacked_once_at_the_end(tiny_llama_dir, tmp_path):

@@ -1,0 +1,121 @@
+"""The fleet-wide update's all-or-none logic and a restarted worker's catch-up, over fake
+worker handles (the Ray path is tests/cpu/test_fleet.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+
+from radixray.actors.weight_rollout import FleetUpdateFailed, FleetWeights, run_fleet_update
+
+
+class FakeWorker:
+    """Records every call; ``fail`` names the method that raises once."""
+
+    def __init__(self, name: str, fail: str | None = None):
+        self.name, self.fail, self.calls, self.version = name, fail, [], 0
+        self.staged = None
+
+    def __getattr__(self, method):
+        worker = self
+
+        class _Method:
+            @staticmethod
+            def remote(*args):
+                async def run():
+                    worker.calls.append(method)
+                    if worker.fail == method:
+                        worker.fail = None
+                        raise RuntimeError(f"{method} broke on {worker.name}")
+                    if method == "prepare_weight_update":
+                        worker.staged = args[0]
+                    elif method in ("commit_weight_update", "end_weight_update"):
+                        worker.version, worker.old = args[0] if args else worker.staged, worker.version
+                    elif method == "rollback_weight_update":
+                        worker.version = worker.old
+                    return method
+                return run()
+        return _Method
+
+
+@dataclass
+class Rec:
+    worker_id: str
+    handle: FakeWorker
+    weight_version: int = 0
+
+
+DISK = {"kind": "disk", "path": "/ckpt"}
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_commit_failing_on_one_worker_rolls_the_others_back_and_continues_everyone():
+    a, b = FakeWorker("a"), FakeWorker("b", fail="commit_weight_update")
+    phases: dict = {}
+    with pytest.raises(FleetUpdateFailed, match="b: commit_weight_update broke on b"):
+        _run(run_fleet_update({"a": a, "b": b}, _source(), 3,
+                              phases=phases))
+    assert a.version == 0 and b.version == 0
+    assert "rollback_weight_update" in a.calls and "rollback_weight_update" not in b.calls
+    for w in (a, b):
+        assert w.calls[-1] == "continue_generation" and "abort_weight_update" in w.calls
+        assert "finish_weight_update" not in w.calls
+    assert {"pause", "transfer", "load", "commit", "resume"} <= set(phases)
+
+
+def _source():
+    from radixray.actors.weight_rollout import WeightSource
+    return WeightSource(**DISK)
+
+
+def test_a_staging_failure_drops_every_session_and_frees_nothing_twice():
+    a, b = FakeWorker("a", fail="update_weights_from_disk"), FakeWorker("b")
+    with pytest.raises(FleetUpdateFailed, match="a: update_weights_from_disk broke"):
+        _run(run_fleet_update({"a": a, "b": b}, _source(), 1, release=["kv_cache"],
+                              pause_mode="abort"))
+    for w in (a, b):
+        assert "commit_weight_update" not in w.calls and "abort_weight_update" in w.calls
+        assert w.calls[-2:] == ["resume_memory_occupation", "continue_generation"]
+
+
+def test_keep_paused_and_no_pause_and_bad_plans():
+    a = FakeWorker("a")
+    out = _run(run_fleet_update({"a": a}, _source(), 2, keep_paused=True))
+    assert out["weight_version"] == 2 and a.version == 2
+    assert "continue_generation" not in a.calls and a.calls[0] == "pause_generation"
+    b = FakeWorker("b")
+    _run(run_fleet_update({"b": b}, _source(), 2, pause_mode=None))
+    assert "pause_generation" not in b.calls and "continue_generation" not in b.calls
+    with pytest.raises(ValueError, match="release_memory may only hold"):
+        _run(run_fleet_update({"a": a}, _source(), 3, release=["weights"]))
+    with pytest.raises(ValueError, match="needs pause_mode abort or retract"):
+        _run(run_fleet_update({"a": a}, _source(), 3, pause_mode="in_place", release=["kv_cache"]))
+    with pytest.raises(ValueError, match="pause_mode must be one of"):
+        _run(run_fleet_update({"a": a}, _source(), 3, pause_mode="nap"))
+
+
+def test_a_restarted_worker_replays_a_disk_update_or_stays_stale_after_a_tensor_one():
+    weights = FleetWeights()
+    recs = [Rec("a", FakeWorker("a")), Rec("b", FakeWorker("b"))]
+    fresh = Rec("c", FakeWorker("c"))
+    assert _run(weights.catch_up(fresh)) is None  # version 0: nothing to do
+    _run(weights.update(recs, DISK, None, "retract", [], False))
+    assert weights.version == 1 and [r.weight_version for r in recs] == [1, 1]
+    assert _run(weights.catch_up(fresh)) is None
+    assert fresh.weight_version == 1 and fresh.handle.calls == [
+        "begin_weight_update", "update_weights_from_disk", "end_weight_update"]
+    with pytest.raises(ValueError, match="greater than the current weight version 1"):
+        _run(weights.update(recs, DISK, 1, "retract", [], False))
+    _run(weights.update(recs, {"kind": "tensor", "payload": ["ref"]}, 5, "retract", [], False))
+    late = Rec("d", FakeWorker("d"))
+    reason = _run(weights.catch_up(late))
+    assert "fleet is at 5" in reason and weights.stale == {"d"} and late.weight_version == 0
+    broken = Rec("e", FakeWorker("e", fail="update_weights_from_disk"))
+    weights._replay = _source()
+    assert "could not take weight version 5" in _run(weights.catch_up(broken))
+    assert "abort_weight_update" in broken.handle.calls and weights.stale == {"d", "e"}
