@@ -63,6 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.set_defaults(func=cmd_generate)
 
+    rl = sub.add_parser("rl", help="RL jobs on the fleet")
+    rl_sub = rl.add_subparsers(dest="rl_command", required=True)
+    grpo = rl_sub.add_parser("grpo", help="a GRPO training job (rollout -> reward -> train -> "
+                             "weight sync each step)")
+    from radixray.rl import grpo as grpo_job
+    grpo_job.add_arguments(grpo)
+    grpo.set_defaults(func=grpo_job.run_cli)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     off = bench_sub.add_parser("offline", help="decode/prefill throughput and roofline ratios")

@@ -219,6 +219,20 @@ class EngineWorker:
     async def flush_cache(self) -> bool:
         return await self._in_loop(lambda s: s.kv.flush_cache())
 
+    async def generate_group(self, input_ids: list[int], n: int, sampling_params: dict | list,
+                             priority: int = 0) -> list[dict]:
+        """``n`` samples of one prompt (an RL group) in one batch: the prompt is prefilled once
+        and the other samples reuse its KV through the radix cache. ``sampling_params``: one
+        dict, or one per sample (seeds). Results as :meth:`radixray.Engine.generate` gives
+        them, ``meta_info.worker_id`` set."""
+        if self.draining:
+            raise WorkerDraining(f"worker {self.worker_id} is draining")
+        outs = await asyncio.to_thread(self.engine.generate, input_ids=[list(input_ids)] * n,
+                                       sampling_params=sampling_params, priority=priority)
+        for out in outs:
+            out["meta_info"]["worker_id"] = self.worker_id
+        return outs
+
     # ---- RL control: memory and weights (engine/memory_saver.py, engine/weight_session.py)
     async def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
         return await self._in_loop(lambda s: self.engine.memory.release(tags))

@@ -1,4 +1,4 @@
-"""Imports point one way: kernels <- engine <- cluster <- actors <- serve <- bench / cli.
+"""Imports point one way: kernels <- engine <- cluster <- actors <- serve <- rl <- bench / cli.
 
 Every ``import`` in a module counts, the lazy ones inside functions too, so a layer
 cannot reach upwards by deferring the import. The kernels take tensors only, and the
@@ -15,7 +15,7 @@ import pytest
 import radixray
 
 ROOT = pathlib.Path(radixray.__file__).parent
-ORDER = ["kernels", "engine", "cluster", "actors", "serve", "bench", "cli"]
+ORDER = ["kernels", "engine", "cluster", "actors", "serve", "rl", "bench", "cli"]
 RAY_FREE = {"kernels", "engine"}
 
 

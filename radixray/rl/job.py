@@ -1,0 +1,170 @@
+"""The parts of a GRPO job on Ray: the fleet, the trainer actor, rollouts and weight sync.
+
+:class:`Job` joins the fleet of the config's ``fleet`` section (starting it when no app
+with that configuration runs on the cluster), starts the trainer actor, and gives the
+driver four calls per step: :meth:`Job.rollout`, :meth:`Job.train`, :meth:`Job.sync`
+and, around the run, :meth:`Job.evaluate`. Placement decides what happens around
+training:
+
+- ``colocated``: before the trainer trains, every worker pauses and releases its
+  ``kv_cache`` and ``weights``; afterwards they come back and the new weights arrive
+  through ``update_weights_from_tensor`` from the trainer's shared-memory file.
+- ``separate``: the workers keep serving while the trainer trains; the new weights arrive
+  by broadcast from the trainer (rank 0) over torch.distributed (gloo on CPU).
+
+Either way the update is the fleet-wide all-or-none session of the control plane, so a
+trainer that fails mid-update leaves every worker on the old version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+
+from radixray.rl.config import GRPOConfig
+from radixray.rl.rollout import Group, RolloutManager
+
+logger = logging.getLogger("radixray.rl")
+
+
+def connect_ray(namespace: str) -> None:
+    """Join the cluster ``ray job submit`` runs us on (RAY_ADDRESS), else start a local one
+    on loopback."""
+    import ray
+    if ray.is_initialized():
+        return
+    for key, value in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_AUTH_MODE", "disabled"),
+                       ("TOKENIZERS_PARALLELISM", "false")):
+        os.environ.setdefault(key, value)
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], namespace=namespace, log_to_driver=False)
+    else:
+        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, namespace=namespace,
+                 log_to_driver=False)
+
+
+def _check(results: dict, what: str) -> dict:
+    """A controller fan-out's results; RuntimeError naming each worker that refused."""
+    errors = {w: r["error"] for w, r in results.items() if isinstance(r, dict) and "error" in r}
+    if errors:
+        raise RuntimeError(f"{what} failed on " + "; ".join(f"{w}: {e}" for w, e in errors.items()))
+    return results
+
+
+class Job:
+    """A GRPO run's Ray side; see the module docstring."""
+
+    def __init__(self, cfg: GRPOConfig):
+        import ray
+
+        from radixray.engine.loader import resolve_model
+        from radixray.rl.tasks import get_task
+        from radixray.rl.trainer import trainer_actor_class
+        from radixray.serve.fleet import (
+            find_controller,
+            find_router,
+            get_or_create_controller,
+            start_heartbeats,
+        )
+        self.cfg = cfg
+        serve_cfg = cfg.serve_config()
+        connect_ray(serve_cfg.namespace)
+        self.owns_fleet = find_controller(serve_cfg) is None
+        self.controller = get_or_create_controller(serve_cfg)
+        start_heartbeats(self.controller, f"grpo-{uuid.uuid4().hex[:8]}",
+                         serve_cfg.fleet.owner_timeout_s / 4)
+        ray.get(self.controller.start.remote())
+        self.router = find_router(serve_cfg)
+        source = resolve_model(cfg.model)
+        self.task = get_task(cfg.task)
+        self.rollouts = RolloutManager(
+            self.controller, self.router, source.tokenizer,
+            {"temperature": cfg.temperature, "top_p": cfg.top_p,
+             "max_new_tokens": cfg.max_new_tokens}, priority=cfg.rollout_priority)
+        device = serve_cfg.engine.device
+        options = {k: getattr(cfg, k) for k in ("learning_rate", "weight_decay", "kl_coef",
+                                                "clip_low", "clip_high", "micro_batch_size")}
+        cpus = 0 if cfg.placement == "colocated" else 1
+        self.trainer = trainer_actor_class().options(num_cpus=cpus).remote(
+            source.path, options, device, cfg.seed, cpus or None)
+        self.workers = len(ray.get(self.controller.live_workers.remote()))
+        if cfg.placement == "separate":
+            self._open_broadcast()
+
+    def _open_broadcast(self) -> None:
+        import ray
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        address = "127.0.0.1" if not os.environ.get("RAY_ADDRESS") else ray.util.get_node_ip_address()
+        joined = self.controller.init_weights_update_group.remote(address, port, self.workers + 1)
+        ray.get([self.trainer.open_broadcast.remote(address, port, self.workers + 1), joined])
+        self.spec = ray.get(self.trainer.weight_spec.remote())
+
+    def rollout(self, problems, n: int, seed: int | None, sampling: dict | None = None) -> list[Group]:
+        return asyncio.run(self.rollouts.rollout(problems, n, seed, sampling))
+
+    def train(self, samples: list[dict]) -> dict:
+        """One optimizer step; colocated, the workers give their memory back meanwhile (and
+        take it back if training fails, so the fleet keeps serving the old weights)."""
+        import ray
+        if self.cfg.placement == "colocated":
+            _check(ray.get(self.controller.pause_generation.remote(self.cfg.pause_mode)), "pause")
+            _check(ray.get(self.controller.release_memory_occupation.remote(
+                ["kv_cache", "weights"])), "release_memory_occupation")
+        try:
+            return ray.get(self.trainer.train_step.remote(samples))
+        except BaseException:
+            if self.cfg.placement == "colocated":
+                self._restore()
+            raise
+
+    def _restore(self) -> None:
+        import ray
+        ray.get(self.controller.resume_memory_occupation.remote(None))
+        ray.get(self.controller.continue_generation.remote())
+
+    def sync(self) -> dict:
+        """Send the trained weights to every worker (one new version); returns the update's
+        result (weight_version, phases)."""
+        import ray
+        cfg = self.cfg
+        if cfg.placement == "colocated":
+            t0 = time.perf_counter()
+            _check(ray.get(self.controller.resume_memory_occupation.remote(None)),
+                   "resume_memory_occupation")
+            t1 = time.perf_counter()
+            handle = ray.get(self.trainer.write_shared.remote())
+            t2 = time.perf_counter()
+            source = {"kind": "tensor", "shared": handle}
+            result = ray.get(self.controller.update_weights.remote(source, None, cfg.pause_mode))
+            result["phases"] = {"resume_memory": t1 - t0, "trainer_write": t2 - t1,
+                                **result["phases"]}
+            return result
+        names, dtypes, shapes = self.spec
+        source = {"kind": "distributed", "names": names, "dtypes": dtypes, "shapes": shapes}
+        update = self.controller.update_weights.remote(source, None, cfg.pause_mode)
+        ray.get(self.trainer.broadcast.remote())
+        return ray.get(update)
+
+    def evaluate(self, problems) -> float:
+        """Mean reward of one greedy answer per problem."""
+        if not problems:
+            return float("nan")
+        groups = self.rollout(problems, 1, None, {"temperature": 0.0})
+        return sum(self.task.reward(g.samples[0].text, g.problem) for g in groups) / len(groups)
+
+    def close(self) -> None:
+        import ray
+        try:
+            ray.get(self.trainer.close.remote())
+            ray.kill(self.trainer)
+            if self.owns_fleet:  # the fleet this job started goes with it, controller included
+                ray.get(self.controller.stop_fleet.remote())
+                ray.kill(self.controller)
+        except Exception:  # noqa: BLE001 - closing must not hide the run's own error
+            logger.exception("closing the GRPO job's actors failed")

@@ -1,0 +1,165 @@
+"""The policy trainer: a torch model with the workers' weights, trained with the GRPO loss.
+
+It holds the same Hugging Face checkpoint the workers load (transformers' model class
+for that architecture: the workers' own model is inference-only), AdamW, and optionally
+a frozen copy of the initial weights for the KL term. One :meth:`PolicyTrainer.train_step`
+is one optimizer step over every sample of a rollout, in micro-batches whose gradients
+accumulate to the full batch's (token-level mean over the whole batch).
+
+The rollout's logprobs (the engine's, unscaled) are the "old policy" of the ratio. The
+first forward of a step runs under the very weights that produced the rollout, so its
+logprobs are compared with the engine's on every token: the step reports the largest
+and the mean absolute difference (a kernel or conversion mismatch shows there first).
+
+Weights leave through :meth:`write_shared` (colocated: a reused shared-memory file the
+workers read in place) or :meth:`broadcast` (separate: torch.distributed, rank 0).
+fp32 on CPU, bf16 on GPU. Use it directly or as a Ray actor (:func:`trainer_actor_class`).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+
+import torch
+
+from radixray.rl.grpo_loss import grpo_loss, merge_stats, sequence_logprobs
+
+logger = logging.getLogger("radixray.rl")
+
+
+def pad_batch(samples: list[dict], device) -> dict[str, torch.Tensor]:
+    """Right-pad ``prompt_ids + output_ids`` of each sample: ``tokens`` [B, L], ``attention``
+    [B, L], and over the predicted positions (``tokens[:, 1:]``) ``mask`` [B, L-1] (1 on
+    output tokens), ``old`` [B, L-1] (the rollout's logprobs there) and ``advantages`` [B]."""
+    seqs = [s["prompt_ids"] + s["output_ids"] for s in samples]
+    length = max(len(x) for x in seqs)
+    b = len(samples)
+    tokens = torch.zeros(b, length, dtype=torch.long)
+    attention = torch.zeros(b, length, dtype=torch.long)
+    mask = torch.zeros(b, length - 1)
+    old = torch.zeros(b, length - 1)
+    for i, (s, seq) in enumerate(zip(samples, seqs)):
+        tokens[i, :len(seq)] = torch.tensor(seq)
+        attention[i, :len(seq)] = 1
+        start, n = len(s["prompt_ids"]) - 1, len(s["output_ids"])
+        mask[i, start:start + n] = 1
+        old[i, start:start + n] = torch.tensor(s["logprobs"], dtype=torch.float32)
+    advantages = torch.tensor([s["advantage"] for s in samples], dtype=torch.float32)
+    out = {"tokens": tokens, "attention": attention, "mask": mask, "old": old,
+           "advantages": advantages}
+    return {k: v.to(device) for k, v in out.items()}
+
+
+class PolicyTrainer:
+    """GRPO on one model; see the module docstring. ``options``: the GRPO config's
+    learning_rate, weight_decay, kl_coef, clip_low, clip_high, micro_batch_size."""
+
+    def __init__(self, model_path: str, options: dict, device: str = "cpu", seed: int = 0,
+                 num_threads: int | None = None):
+        """``num_threads``: CPU threads for training (default: every core this process may
+        use; Ray starts an actor with one, and colocated the workers are paused while it
+        trains)."""
+        import os
+
+        from transformers import AutoModelForCausalLM
+        torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
+        torch.manual_seed(seed)
+        self.device = torch.device(device)
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device)
+        self.model.eval()  # no dropout: the forward must match the engine's
+        self.options = options
+        self.ref = None
+        if options.get("kl_coef", 0.0) > 0:
+            self.ref = copy.deepcopy(self.model).requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=options["learning_rate"],
+                                           weight_decay=options.get("weight_decay", 0.0))
+        self._shared = None
+        self._broadcaster = None
+
+    def _logprobs(self, model, batch: dict) -> torch.Tensor:
+        logits = model(input_ids=batch["tokens"], attention_mask=batch["attention"]).logits
+        return sequence_logprobs(logits[:, :-1].float(), batch["tokens"][:, 1:])
+
+    def train_step(self, samples: list[dict]) -> dict:
+        """One optimizer step over ``samples`` (each: prompt_ids, output_ids, logprobs of the
+        output tokens from the rollout, advantage). Returns the loss statistics and the
+        rollout-vs-train logprob difference."""
+        t0 = time.perf_counter()
+        opts = self.options
+        mb = opts["micro_batch_size"]
+        total = sum(len(s["output_ids"]) for s in samples)
+        diffs, stats, loss_sum = [], [], 0.0
+        self.optimizer.zero_grad(set_to_none=True)
+        for i in range(0, len(samples), mb):
+            batch = pad_batch(samples[i:i + mb], self.device)
+            logprobs = self._logprobs(self.model, batch)
+            mask = batch["mask"].bool()
+            diffs.append((logprobs.detach() - batch["old"])[mask].abs())
+            ref = None
+            if self.ref is not None:
+                with torch.no_grad():
+                    ref = self._logprobs(self.ref, batch)
+            loss, st = grpo_loss(logprobs, batch["old"], batch["advantages"], batch["mask"],
+                                 clip_low=opts["clip_low"], clip_high=opts["clip_high"],
+                                 ref_logprobs=ref, kl_coef=opts.get("kl_coef", 0.0),
+                                 total_tokens=total)
+            loss.backward()
+            loss_sum += float(loss.detach())
+            stats.append(st)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                         opts.get("max_grad_norm", 1.0)))
+        self.optimizer.step()
+        diff = torch.cat(diffs) if diffs else torch.zeros(0)
+        merged = merge_stats(stats) if stats else None
+        return {"loss": loss_sum, "grad_norm": grad_norm,
+                "clip_frac": merged.clip_frac if merged else 0.0,
+                "kl": merged.kl if merged else 0.0,
+                "ratio_max": merged.ratio_max if merged else 1.0, "tokens": total,
+                "logprob_abs_diff_max": float(diff.max()) if diff.numel() else 0.0,
+                "logprob_abs_diff_mean": float(diff.mean()) if diff.numel() else 0.0,
+                "train_s": time.perf_counter() - t0}
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The parameters under their Hugging Face names (tied ones once)."""
+        return {name: p.detach() for name, p in self.model.named_parameters()}
+
+    # ---- sending weights ----------------------------------------------------------------
+    def write_shared(self, directory: str = "/dev/shm"):
+        """Copy the weights into this trainer's shared-memory file (made on first use);
+        returns the handle the workers read."""
+        from radixray.cluster.shared_weights import SharedWeightsWriter
+        named = self.named_weights()
+        if self._shared is None:
+            self._shared = SharedWeightsWriter(named, directory)
+        return self._shared.write(named)
+
+    def weight_spec(self) -> tuple[list[str], list[str], list[list[int]]]:
+        from radixray.engine.weight_sync import WeightBroadcaster
+        return WeightBroadcaster.spec(self.named_weights().items())
+
+    def open_broadcast(self, master_address: str, master_port: int, world_size: int,
+                       group_name: str = "weight_update_group", backend: str = "gloo") -> None:
+        """Join the weight-update group as rank 0 (blocks until every worker joined)."""
+        from radixray.engine.weight_sync import WeightBroadcaster
+        self._broadcaster = WeightBroadcaster(master_address, master_port, world_size, group_name,
+                                              backend)
+
+    def broadcast(self) -> int:
+        """Send every weight, in :meth:`weight_spec` order; returns the bytes sent."""
+        return self._broadcaster.send(self.named_weights().items())
+
+    def close(self) -> None:
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
+        if self._broadcaster is not None:
+            self._broadcaster.close()
+            self._broadcaster = None
+
+
+def trainer_actor_class():
+    import ray
+    return ray.remote(PolicyTrainer)
