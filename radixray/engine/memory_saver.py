@@ -118,10 +118,21 @@ class _Released:
     spill_file: IO[bytes] | None = None  # CPU weights: unnamed temp file, storage i at offsets[i]
     offsets: list[int] = field(default_factory=list)
     copies: list[torch.Tensor | None] = field(default_factory=list)  # CUDA weights: CPU bytes
+    # weights: per storage, whether a full weight update replaces it (parameters, int8
+    # buffers) rather than needing its bytes back (the rotary tables)
+    replaceable: list[bool] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
         return sum(self.sizes)
+
+
+def _subset(rel: _Released, pick: list[bool]) -> _Released:
+    """The storages of ``rel`` where ``pick`` is true, sharing its spill file and copies."""
+    idx = [i for i, p in enumerate(pick) if p]
+    return _Released([rel.storages[i] for i in idx], [rel.sizes[i] for i in idx],
+                     rel.spill_file, [rel.offsets[i] for i in idx],
+                     [rel.copies[i] for i in idx])
 
 
 def _malloc_trim() -> None:
@@ -248,6 +259,26 @@ class MemorySaver:
             self.scheduler.check_kv_conservation()
         return self._report("resume_memory_occupation", "restored", tags, state, t0)
 
+    def replaced(self) -> bool:
+        """A full weight update replaced the released weights (its commit gave every
+        parameter and int8 buffer new memory): read back only what the update did not
+        replace, drop the spill, and the weights are no longer released. False (nothing
+        done) when the weights are not released."""
+        rel = self._state.get("weights")
+        if rel is None:
+            return False
+        keep = _subset(rel, [not r for r in rel.replaceable])
+        for storage, n in zip(keep.storages, keep.sizes):
+            storage.resize_(n)
+        self._fill("weights", keep)
+        if rel.spill_file is not None:
+            rel.spill_file.close()
+        del self._state["weights"]
+        self.released.discard("weights")
+        logger.info("released weights replaced by a weight update (%.1f MiB never read back)",
+                    sum(n for n, r in zip(rel.sizes, rel.replaceable) if r) / 2**20)
+        return True
+
     # ---- internals ---------------------------------------------------------------------
     def _flush_kv(self) -> _Released:
         """Empty the radix cache (no request holds KV: checked by the caller), so every slot
@@ -265,9 +296,15 @@ class MemorySaver:
 
     def _spill_weights(self) -> _Released:
         """Save every weight storage's bytes (CPU: one unnamed file; CUDA: CPU copies)."""
+        from radixray.kernels.int8_linear import Int8Linear
         model = self.runner.model
         storages = _distinct_storages(itertools.chain(model.parameters(), model.buffers()))
-        rel = _Released(storages, [st.nbytes() for st in storages])
+        int8 = [b for m in model.modules() if isinstance(m, Int8Linear)
+                for b in m.buffers(recurse=False) if b is not None]
+        updated = {st.data_ptr() for st in _distinct_storages(itertools.chain(model.parameters(),
+                                                                               int8))}
+        rel = _Released(storages, [st.nbytes() for st in storages],
+                        replaceable=[st.data_ptr() in updated for st in storages])
         on_cpu = [st.device.type == "cpu" for st in storages]
         if any(on_cpu):
             os.makedirs(spill_dir(), exist_ok=True)

@@ -216,9 +216,12 @@ class WeightUpdater:
             t0 = time.perf_counter()
             try:
                 version = check_version(version, self.version)
-                if "weights" in self.memory.released:
-                    raise ValueError("the weights are released: resume_memory_occupation(['weights']) "
-                                     "before ending a weight update")
+                missing = stage.missing() if "weights" in self.memory.released else []
+                if missing:
+                    raise ValueError(
+                        f"the weights are released, so an update must replace all of them (or "
+                        f"resume_memory_occupation(['weights']) first); {len(missing)} tensors "
+                        f"were not sent, e.g. {missing[:3]}")
                 prepared = stage.prepare()
             except Exception:
                 self._stage = None
@@ -260,6 +263,9 @@ class WeightUpdater:
                 raise ValueError("finish: no committed weight update to finish")
             previous, _ = self._undo
             self._undo = None
+            # Released weights were replaced whole: only what no update sends (the rotary
+            # tables) is read back; a rollback before this point still finds them released.
+            self.memory.replaced()
             self.last = {"weight_version": self.version, "previous_version": previous,
                          "phases": dict(self._phases)}
             logger.info("weights updated to version %d (from %d): %s", self.version, previous,

@@ -134,8 +134,10 @@ class Job:
         import ray
         cfg = self.cfg
         if cfg.placement == "colocated":
+            # The weights stay released: the update replaces every one of them, so their
+            # spilled bytes are never read back (only the rotary tables are).
             t0 = time.perf_counter()
-            _check(ray.get(self.controller.resume_memory_occupation.remote(None)),
+            _check(ray.get(self.controller.resume_memory_occupation.remote(["kv_cache"])),
                    "resume_memory_occupation")
             t1 = time.perf_counter()
             handle = ray.get(self.trainer.write_shared.remote())

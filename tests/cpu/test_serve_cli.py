@@ -124,9 +124,14 @@ def test_ray_job_submit_builds_the_app_and_answers(tiny_llama_dir, tmp_path):
                     "--object-store-memory", str(256 * 1024 ** 2)],
                    env=ENV, check=True, capture_output=True, timeout=180)
     try:
-        out = subprocess.run([RAY, "job", "submit", "--address", f"http://127.0.0.1:{dash}", "--",
-                              sys.executable, str(script), tiny_llama_dir, str(http)],
-                             env=ENV, capture_output=True, text=True, timeout=600)
+        deadline = time.monotonic() + 180
+        while True:  # `ray start` returns before the dashboard's job agent takes jobs
+            out = subprocess.run([RAY, "job", "submit", "--address", f"http://127.0.0.1:{dash}",
+                                  "--", sys.executable, str(script), tiny_llama_dir, str(http)],
+                                 env=ENV, capture_output=True, text=True, timeout=600)
+            if "No available agent" not in out.stderr or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         line = next(x for x in out.stdout.splitlines() if x.startswith("JOB_RESULT"))
         usage = json.loads(line.split(" ", 1)[1])

@@ -320,3 +320,26 @@ def test_shared_weights_file_and_object_store_payload_round_trip(tmp_path):
     assert is_payload(payload) and not is_payload(list(named.items()))
     back = dict(from_payload(payload))
     assert all(torch.equal(back[k], v) and back[k].dtype == v.dtype for k, v in named.items())
+
+
+def test_a_full_update_replaces_released_weights_without_reading_them_back(tiny_qwen3_dir):
+    """The colocated RL step: weights released (spilled) while the trainer trains, then a
+    full update commits new tensors into them; only the rotary tables are read back."""
+    hf = _hf(tiny_qwen3_dir)
+    named = perturb(hf, seed=8)
+    prompts = random_prompts(hf.config.vocab_size)[1:3]
+    with _engine(tiny_qwen3_dir) as eng:
+        eng.pause_generation("retract")
+        eng.release_memory_occupation(["kv_cache", "weights"])
+        eng.begin_weight_update()
+        eng.update_weights_from_tensor({"model.norm.weight": named["model.norm.weight"]})
+        with pytest.raises(ValueError, match="released, so an update must replace all of them"):
+            eng.end_weight_update(1)
+        eng.begin_weight_update()
+        eng.update_weights_from_tensor(named)
+        eng.end_weight_update(1)
+        assert eng.memory.released == {"kv_cache"}
+        eng.resume_memory_occupation(["kv_cache"])
+        eng.continue_generation()
+        assert_matches_hf(eng, hf, prompts, NEW, "released weights replaced", version=1)
+        eng.check_kv_conservation()
