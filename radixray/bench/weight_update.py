@@ -179,7 +179,7 @@ def run_fleet(args) -> dict:
              log_to_driver=False)
     try:
         controller = get_or_create_controller(cfg)
-        start_heartbeats(controller, "bench-weight-update", 2.0)
+        beats = start_heartbeats(controller, "bench-weight-update", 2.0)
         ray.get(controller.start.remote())
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "weights.safetensors")
@@ -204,6 +204,7 @@ def run_fleet(args) -> dict:
                 logger.info("%s: %s", kind, results["paths"][kind])
             shared.close()
         ray.get(controller.stop_fleet.remote())
+        beats.set()
     finally:
         ray.shutdown()
     print(f"\nfleet weight update ({args.fleet} worker(s)), {args.model}, quantization "

@@ -75,8 +75,8 @@ class Job:
         connect_ray(serve_cfg.namespace)
         self.owns_fleet = find_controller(serve_cfg) is None
         self.controller = get_or_create_controller(serve_cfg)
-        start_heartbeats(self.controller, f"grpo-{uuid.uuid4().hex[:8]}",
-                         serve_cfg.fleet.owner_timeout_s / 4)
+        self._heartbeats = start_heartbeats(self.controller, f"grpo-{uuid.uuid4().hex[:8]}",
+                                            serve_cfg.fleet.owner_timeout_s / 4)
         ray.get(self.controller.start.remote())
         self.router = find_router(serve_cfg)
         source = resolve_model(cfg.model)
@@ -162,6 +162,7 @@ class Job:
 
     def close(self) -> None:
         import ray
+        self._heartbeats.set()
         try:
             ray.get(self.trainer.close.remote())
             ray.kill(self.trainer)

@@ -40,17 +40,22 @@ def find_router(cfg: ServeConfig):
         return None
 
 
-def start_heartbeats(controller, owner: str, interval_s: float) -> None:
-    """Tell ``controller`` every ``interval_s`` that ingress replica ``owner`` still uses it
-    (a daemon thread: it beats while the replica's constructor blocks, and dies with it)."""
+def start_heartbeats(controller, owner: str, interval_s: float):
+    """Tell ``controller`` every ``interval_s`` that ``owner`` (an ingress replica, a job)
+    still uses it: a daemon thread that beats while the replica's constructor blocks and
+    dies with the process. Returns a ``threading.Event``: set it to stop beating. It also
+    stops once this process has left Ray (a remote call would start a new local Ray)."""
     import threading
-    import time
+
+    import ray
+    stop = threading.Event()
 
     def beat() -> None:
-        while True:
+        while not stop.is_set() and ray.is_initialized():
             try:
                 controller.heartbeat.remote(owner)
             except Exception:  # noqa: BLE001 - the controller may be restarting; keep beating
                 pass
-            time.sleep(interval_s)
+            stop.wait(interval_s)
     threading.Thread(target=beat, name="controller-heartbeat", daemon=True).start()
+    return stop
