@@ -169,11 +169,7 @@ class ServeConfig(BaseModel):
     @classmethod
     def load(cls, path: str, overrides: dict | None = None) -> ServeConfig:
         """Read a YAML file, apply ``{"engine": {...}, "server": {...}}`` overrides, validate."""
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
-        return cls.parse(merge(data, overrides or {}))
+        return cls.parse(merge(read_yaml_mapping(path), overrides or {}))
 
     def fleet_key(self) -> str:
         """Short hash of everything that shapes the fleet (engine, fleet, router, worker
@@ -191,6 +187,15 @@ class ServeConfig(BaseModel):
 
     def router_name(self) -> str:
         return f"{self.app_name}-router-{self.fleet_key()}"
+
+
+def read_yaml_mapping(path: str) -> dict:
+    """A YAML file's top-level mapping (empty file: {}); ConfigError for anything else."""
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+    return data
 
 
 def merge(base: dict, extra: dict) -> dict:

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from radixray.cluster.config import ConfigError, ServeConfig, format_validation_error, merge
+from radixray.cluster.config import (
+    ConfigError,
+    ServeConfig,
+    format_validation_error,
+    merge,
+    read_yaml_mapping,
+)
 
 PLACEMENTS = ("colocated", "separate")
 
@@ -97,8 +102,4 @@ class GRPOConfig(BaseModel):
 
     @classmethod
     def load(cls, path: str, overrides: dict | None = None) -> GRPOConfig:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
-        return cls.parse(merge(data, overrides or {}))
+        return cls.parse(merge(read_yaml_mapping(path), overrides or {}))

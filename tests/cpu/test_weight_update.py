@@ -11,6 +11,7 @@ import pytest
 import torch
 from engine_helpers import in_thread, wait_until
 from model_fixtures import random_prompts
+from serving_helpers import free_port
 from weight_helpers import GREEDY_N, assert_matches_hf, perturb
 
 from radixray import Engine
@@ -219,19 +220,12 @@ TRAINER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn_trainer(named: dict, folder) -> tuple[subprocess.Popen, int]:
     """A trainer process (rank 0 on a free port) that will broadcast ``named`` in name order."""
     from safetensors.torch import save_file
     path = folder / "w.safetensors"
     save_file({k: v.contiguous() for k, v in named.items()}, str(path))
-    port = _free_port()
+    port = free_port()
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(port), str(path)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return trainer, port
