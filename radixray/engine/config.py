@@ -68,6 +68,10 @@ class EngineConfig:
     num_threads: int | None = option(None, "torch intra-op threads on CPU (default: torch's, "
                                      "or the worker's share of the cores)", ge=1)
     random_seed: int = option(0, "seed of the engine's generators")
+    deterministic: bool = option(False, "batch-invariant forward and sampling: a request gets "
+                                 "the same tokens and logprobs whatever batch and prefill "
+                                 "chunks it runs in (CPU, float32; slower prefill; a sampled "
+                                 "request without a seed gets seed 42)")
     check_kv_conservation: bool = option(False, "assert the KV slot invariant after every "
                                          "step (tests)")
     max_consecutive_failed_steps: int = option(3, "a fault in this many scheduler steps in a "
@@ -78,9 +82,24 @@ class EngineConfig:
         options.validate(self)
         if self.quantization == "w8a8_int8" and self.device != "cpu":
             raise ValueError("quantization='w8a8_int8' runs on the CPU only (device='cpu')")
+        if self.deterministic:
+            self._check_deterministic()
         if self.quantize_lm_head and self.quantization != "w8a8_int8":
             raise ValueError("quantize_lm_head needs quantization='w8a8_int8', got "
                              f"quantization={self.quantization!r}")
+
+    def _check_deterministic(self) -> None:
+        """Deterministic mode runs the batch-invariant CPU kernels: fp32 weights and KV pool,
+        no int8; ValueError naming the first option that conflicts."""
+        wanted = {"device": ("cpu",), "dtype": ("auto", "float32"), "kv_cache_dtype": ("auto",),
+                  "quantization": (None,), "cpu_kernels": (True,),
+                  "attention_backend": ("auto", "cpu_batch_invariant")}
+        for name, allowed in wanted.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"deterministic=true needs {name} in {list(allowed)}, got "
+                                 f"{value!r}: batch-invariant kernels exist for float32 on the "
+                                 f"CPU only")
 
     @property
     def chunk_size(self) -> int | None:

@@ -33,6 +33,8 @@ class ForwardBatch:
     seq_lens: list[int]
     # Filled by the attention backend's init_forward_metadata, once per step.
     attn_metadata: dict = field(default_factory=dict)
+    # Extend only: logits for every new token, not just each request's last (scoring).
+    all_logits: bool = False
 
     def to_device(self, device: str) -> None:
         """Move the token-wise tensors (ids, positions, cache slots) to ``device``.

@@ -15,7 +15,7 @@ from radixray.engine.loader import ModelSource
 from radixray.engine.memory import KVPool, ReqToTokenPool, TokenSlotAllocator, kv_bytes_per_token
 from radixray.engine.models import model_class_for
 from radixray.engine.request import Req
-from radixray.kernels.cpu_ops import CpuKernels
+from radixray.kernels.cpu_ops import BatchInvariantKernels, CpuKernels
 from radixray.kernels.int8_linear import quantize_linears
 
 logger = logging.getLogger(__name__)
@@ -34,6 +34,15 @@ def available_memory_bytes(device: str) -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+def head_dim_of(hf) -> int:
+    return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+
+
+def attention_scaling(hf) -> float:
+    """The softmax scale of the model's attention: 1/sqrt(query_pre_attn_scalar or head_dim)."""
+    return (getattr(hf, "query_pre_attn_scalar", None) or head_dim_of(hf)) ** -0.5
 
 
 def pick_dtype(name: str, device: str) -> tuple[torch.dtype, str]:
@@ -75,8 +84,11 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         mem_before = available_memory_bytes(self.device)
-        self.kernels = CpuKernels(enabled=config.cpu_kernels and not self.device.startswith("cuda")
-                                  and self.dtype == torch.float32)
+        if config.deterministic:
+            self.kernels = BatchInvariantKernels()
+        else:
+            self.kernels = CpuKernels(enabled=config.cpu_kernels and not self.device.startswith("cuda")
+                                      and self.dtype == torch.float32)
         self.model = model_class_for(hf)(hf, self.dtype, max_positions=self.context_len,
                                          kernels=self.kernels)
         self.model.load_weights(source.weights())
@@ -90,7 +102,7 @@ class ModelRunner:
             pack_parameters_into_huge_pages(self.model)
         load_s = time.perf_counter() - t0
 
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        head_dim = head_dim_of(hf)
         self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else _KV_DTYPES[config.kv_cache_dtype]
         self.bytes_per_token = kv_bytes_per_token(
             hf.num_hidden_layers, hf.num_key_value_heads, head_dim, self.kv_dtype)
@@ -112,10 +124,10 @@ class ModelRunner:
                               head_dim, self.kv_dtype, self.device, ext=self.kernels.ext)
         self.req_pool = ReqToTokenPool(self.max_running_requests, self.context_len)
         self.allocator = TokenSlotAllocator(self.max_total_tokens)
-        scaling = getattr(hf, "query_pre_attn_scalar", None)
-        scaling = (scaling or head_dim) ** -0.5
+        scaling = attention_scaling(hf)
+        backend = "cpu_batch_invariant" if config.deterministic else config.attention_backend
         self.attn_backend = create_attention_backend(
-            config.attention_backend, self.req_pool.table, self.kv_pool, scaling, self.dtype)
+            backend, self.req_pool.table, self.kv_pool, scaling, self.dtype)
         for attn in self.model.attention_layers():
             attn.attn = self.attn_backend
 
@@ -129,12 +141,12 @@ class ModelRunner:
         logger.info(
             "KV cache: bytes_per_token=%d, max_total_num_tokens=%d, kv_cache_mb=%.1f, chunked_prefill_size=%s, "
             "max_prefill_tokens=%d, max_running_requests=%d, context_len=%d, kv_cache_dtype=%s, "
-            "attention_backend=%s, cpu_kernels=%s, device=%s, threads=%d",
+            "attention_backend=%s, cpu_kernels=%s, deterministic=%s, device=%s, threads=%d",
             self.bytes_per_token, self.max_total_tokens,
             self.bytes_per_token * self.max_total_tokens / 2**20, config.chunk_size,
             config.max_prefill_tokens, self.max_running_requests, self.context_len,
             str(self.kv_dtype).removeprefix("torch."), self.attn_backend.name, self.kernels.active,
-            self.device,
+            config.deterministic, self.device,
             torch.get_num_threads())
 
     # ---- batches ---------------------------------------------------------------------

@@ -20,6 +20,7 @@ _F32 = torch.finfo(torch.float32)
 # Smallest positive normal and largest finite float32: sampling parameters are clamped into
 # [TINY, HUGE] before they divide or scale logits, so no legal value becomes 0 or inf there.
 TINY, HUGE = _F32.tiny, _F32.max
+DETERMINISTIC_DEFAULT_SEED = 42  # deterministic mode: the seed of a sampled request that gave none
 NONFINITE_LOGITS = ("the model produced non-finite logits (NaN or inf) for this request; "
                     "its output so far is kept, no further token was sampled")
 
@@ -61,6 +62,19 @@ def _nonfinite_rows(row_max: torch.Tensor) -> list[int]:
     if math.isfinite(row_max.sum().item()):
         return []
     return (~torch.isfinite(row_max)).nonzero().flatten().tolist()
+
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise ``log_softmax`` of [N, V] fp32 logits, -inf (a token with no probability
+    left) raised to float32's lowest value: JSON has no inf."""
+    return torch.log_softmax(logits, dim=-1).clamp_(min=-HUGE)
+
+
+def unscaled_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """:func:`log_probs` at ``token_ids``: rows [N, V], ids [N] -> [N]. The engine's logprobs
+    at temperature 1 (or with ``return_unscaled_logprob``) come from the same call, so a
+    trainer that calls this on the same logits gets the same bits."""
+    return log_probs(logits).gather(1, token_ids.unsqueeze(1)).squeeze(1)
 
 
 def _col(params: list[SamplingParams], rows: list[int], name: str, device,
@@ -185,14 +199,12 @@ class Sampler:
         rows_t = torch.tensor(rows, device=device)
         temps = _col(params, rows, "temperature", device, lo=TINY)
         sub = x.index_select(0, rows_t)
+        # Each row is shifted so its best logit is 0 first: dividing by any temperature in
+        # [TINY, HUGE] keeps it 0 (the rest <= 0), so the softmax never sees inf and the best
+        # token keeps a positive probability. Done for every row, not only when some row
+        # would overflow, so a row's probabilities never depend on its batch.
         best = row_max.index_select(0, rows_t).unsqueeze(1)
-        if not math.isfinite((best / temps).abs().sum().item()):
-            # A small temperature would overflow the scaled logits: shift each row so its best
-            # logit is 0 first; dividing by any temperature in [TINY, HUGE] keeps it 0 (the
-            # rest <= 0), so the softmax never sees inf and the best token keeps a positive
-            # probability.
-            sub = sub - best
-        probs = torch.softmax(sub / temps, dim=-1)
+        probs = torch.softmax((sub - best) / temps, dim=-1)
 
         use_top_k = any(0 < p.top_k < vocab for p in ps)
         use_top_p = any(p.top_p < 1.0 for p in ps)
@@ -257,12 +269,14 @@ class Sampler:
         ]
         rows_t = torch.tensor(rows, device=device)
         sub = x.index_select(0, rows_t)
-        if any(s != 1.0 for s in scale):
-            # Shift before scaling (as in sampling) so a tiny temperature cannot overflow.
+        scaled = torch.tensor([s != 1.0 for s in scale], device=device).unsqueeze(1)
+        if bool(scaled.any()):
+            # Shift before scaling (as in sampling) so a tiny temperature cannot overflow;
+            # rows at temperature 1 keep their raw logits whatever the other rows need.
             temps = torch.tensor(scale, dtype=torch.float32, device=device).clamp_(TINY, HUGE)
-            sub = (sub - sub.amax(dim=-1, keepdim=True)) / temps.unsqueeze(1)
-        # -inf (a token with no probability left) becomes float32's lowest value: JSON has no inf.
-        lp = torch.log_softmax(sub, dim=-1).clamp_(min=-HUGE)
+            shifted = (sub - sub.amax(dim=-1, keepdim=True)) / temps.unsqueeze(1)
+            sub = torch.where(scaled, shifted, sub)
+        lp = log_probs(sub)
         chosen = lp.gather(1, tokens.index_select(0, rows_t).unsqueeze(1)).squeeze(1).tolist()
 
         logprobs: list[float | None] = [None] * batch

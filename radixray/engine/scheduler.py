@@ -35,7 +35,7 @@ from radixray.engine.model_runner import ModelRunner
 from radixray.engine.policy import InBatchPrefixes, order_waiting
 from radixray.engine.radix_cache import MatchResult, RadixCache
 from radixray.engine.request import FinishReason, Req
-from radixray.engine.sampler import Sampler
+from radixray.engine.sampler import DETERMINISTIC_DEFAULT_SEED, Sampler
 from radixray.engine.stats import SchedulerStats, log_decode, log_prefill
 from radixray.engine.stop import StopChecker
 
@@ -116,8 +116,11 @@ class Scheduler:
                 self._fail(item, f"the engine failed: {self.faults.failed}", ENGINE_FAILED_STATUS)
                 return
             for req in item:
-                if req.sampling.seed is not None:
-                    req.generator = torch.Generator(self.runner.device).manual_seed(req.sampling.seed)
+                seed = req.sampling.seed
+                if seed is None and self.config.deterministic and not req.sampling.is_greedy:
+                    seed = DETERMINISTIC_DEFAULT_SEED
+                if seed is not None:
+                    req.generator = torch.Generator(self.runner.device).manual_seed(seed)
             self.waiting.extend(item)
         elif isinstance(item, AbortCommand):
             self.abort(item.rid, "aborted by request")

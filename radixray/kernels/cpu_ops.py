@@ -207,6 +207,31 @@ class CpuKernels:
         return silu_mul_ref(gate_up)
 
 
+class BatchInvariantKernels(CpuKernels):
+    """The kernels of deterministic mode: every output row is computed by the same
+    arithmetic whatever the other rows, the row count and the thread count.
+
+    The C++ linear computes each output element as one 8-lane FMA chain over K in order
+    and one horizontal sum, for any M (the BLAS path above ``SMALL_M_MAX`` rows picks its
+    blocking from the shape, so it is not used here); the norms, rotary and SiLU kernels
+    work row by row. Needs the extension: RuntimeError when it did not load.
+    """
+
+    def __init__(self):
+        super().__init__(enabled=True)
+        if self.ext is None:
+            raise RuntimeError("deterministic mode needs the radixray CPU kernels (an AVX2 CPU and "
+                               "a C++ compiler) and they did not load (see the log above); run "
+                               "with deterministic off")
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.is_cuda or w.dtype != torch.float32:
+            raise TypeError(f"deterministic mode computes in float32 on the CPU, got {x.dtype} "
+                            f"on {x.device}")
+        y = self.ext.linear_small_m(x, w)
+        return y + bias if bias is not None else y
+
+
 _REFERENCE = CpuKernels(enabled=False)
 
 

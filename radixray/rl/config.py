@@ -46,8 +46,9 @@ class GRPOConfig(BaseModel):
                                   "(gradient accumulation over the step's samples)")
     scale_advantages: bool = Field(True, description="divide by the group's std (False: Dr. GRPO)")
     placement: Literal["colocated", "separate"] = "colocated"
-    deterministic: bool = Field(False, description="batch-invariant engine and trainer forward "
-                                "(rollout and train logprobs equal)")
+    deterministic: bool = Field(False, description="batch-invariant workers and an engine-exact "
+                                "trainer forward: rollout and train logprobs equal to the bit "
+                                "(CPU, float32)")
     pause_mode: Literal["abort", "retract", "in_place"] = Field(
         "retract", description="what a weight update does to user requests on a shared fleet")
     rollout_priority: int = Field(-1, description="rollouts' scheduling priority (user "
@@ -73,18 +74,15 @@ class GRPOConfig(BaseModel):
         get_task(name)  # ValueError naming the known tasks
         return name
 
-    @field_validator("deterministic")
-    @classmethod
-    def _deterministic_available(cls, on: bool) -> bool:
-        if on:
-            raise ValueError("deterministic mode (batch-invariant engine and trainer) is not "
-                             "built yet; run with deterministic: false (the logprob difference "
-                             "is logged every step either way)")
-        return on
-
     def serve_config(self) -> ServeConfig:
-        """The fleet's serve configuration (``engine.model`` from ``model`` unless given)."""
-        data = merge({"engine": {"model": self.model}}, self.fleet)
+        """The fleet's serve configuration (``engine.model`` from ``model`` and
+        ``engine.deterministic`` from ``deterministic`` unless given; a fleet that is not
+        deterministic under a deterministic job is refused)."""
+        data = merge({"engine": {"model": self.model, "deterministic": self.deterministic}},
+                     self.fleet)
+        if self.deterministic and not data["engine"]["deterministic"]:
+            raise ConfigError("deterministic: true needs a deterministic fleet, but "
+                              "fleet.engine.deterministic is false: drop it or set it true")
         try:
             return ServeConfig.parse(data)
         except ConfigError as exc:

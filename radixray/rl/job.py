@@ -90,7 +90,7 @@ class Job:
                                                 "clip_low", "clip_high", "micro_batch_size")}
         cpus = 0 if cfg.placement == "colocated" else 1
         self.trainer = trainer_actor_class().options(num_cpus=cpus).remote(
-            source.path, options, device, cfg.seed, cpus or None)
+            source.path, options, device, cfg.seed, cpus or None, cfg.deterministic)
         self.workers = len(ray.get(self.controller.live_workers.remote()))
         if cfg.placement == "separate":
             self._open_broadcast()

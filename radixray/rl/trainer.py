@@ -11,6 +11,14 @@ first forward of a step runs under the very weights that produced the rollout, s
 logprobs are compared with the engine's on every token: the step reports the largest
 and the mean absolute difference (a kernel or conversion mismatch shows there first).
 
+In deterministic mode (``deterministic=True``, with workers started deterministic) the
+values of the trainer's logprobs come from :class:`~radixray.engine.scoring.SequenceScorer`:
+the workers' own model class and batch-invariant kernels over the trainer's current
+weights, so they equal the rollout's to the bit and the difference is exactly 0. The
+gradient flows through the transformers forward of the same weights (its values differ
+from the scorer's only by rounding; :class:`_ExactValues` puts the scorer's numbers in its
+place), since the workers' model is inference-only.
+
 Weights leave through :meth:`write_shared` (colocated: a reused shared-memory file the
 workers read in place) or :meth:`broadcast` (separate: torch.distributed, rank 0).
 fp32 on CPU, bf16 on GPU. Use it directly or as a Ray actor (:func:`trainer_actor_class`).
@@ -52,15 +60,28 @@ def pad_batch(samples: list[dict], device) -> dict[str, torch.Tensor]:
     return {k: v.to(device) for k, v in out.items()}
 
 
+class _ExactValues(torch.autograd.Function):
+    """``exact``'s values with ``differentiable``'s gradient: forward returns a copy of
+    ``exact``, backward hands the incoming gradient to ``differentiable`` unchanged."""
+
+    @staticmethod
+    def forward(ctx, differentiable: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+        return exact.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
 class PolicyTrainer:
     """GRPO on one model; see the module docstring. ``options``: the GRPO config's
     learning_rate, weight_decay, kl_coef, clip_low, clip_high, micro_batch_size."""
 
     def __init__(self, model_path: str, options: dict, device: str = "cpu", seed: int = 0,
-                 num_threads: int | None = None):
+                 num_threads: int | None = None, deterministic: bool = False):
         """``num_threads``: CPU threads for training (default: every core this process may
         use; Ray starts an actor with one, and colocated the workers are paused while it
-        trains)."""
+        trains). ``deterministic``: logprob values from the engine-exact scorer (CPU only)."""
         import os
 
         from transformers import AutoModelForCausalLM
@@ -78,6 +99,31 @@ class PolicyTrainer:
                                            weight_decay=options.get("weight_decay", 0.0))
         self._shared = None
         self._broadcaster = None
+        self.scorer = None
+        self._scorer_current = False  # the scorer holds the model's present weights
+        if deterministic:
+            if self.device.type != "cpu":
+                raise ValueError("deterministic mode runs on the CPU (the batch-invariant kernels "
+                                 f"are CPU kernels), got device {device!r}")
+            from radixray.engine.scoring import SequenceScorer
+            self.scorer = SequenceScorer(self.model.config)
+
+    def _exact_logprobs(self, samples: list[dict], like: torch.Tensor) -> torch.Tensor:
+        """The scorer's logprobs of ``samples`` laid out as ``like`` ([B, L-1], zero padded)."""
+        from radixray.engine.scoring import SequenceScorer
+        seqs = [s["prompt_ids"] + s["output_ids"] for s in samples]
+        longest = max(map(len, seqs))
+        if longest > self.scorer.max_tokens:
+            size = 1 << (longest - 1).bit_length()
+            self.scorer = SequenceScorer(self.model.config, max_tokens=size)
+            self._scorer_current = False
+        if not self._scorer_current:
+            self.scorer.load_weights(self.named_weights().items())
+            self._scorer_current = True
+        out = torch.zeros_like(like)
+        for i, lp in enumerate(self.scorer.logprobs(seqs)):
+            out[i, :lp.numel()] = lp
+        return out
 
     def _logprobs(self, model, batch: dict) -> torch.Tensor:
         logits = model(input_ids=batch["tokens"], attention_mask=batch["attention"]).logits
@@ -96,6 +142,9 @@ class PolicyTrainer:
         for i in range(0, len(samples), mb):
             batch = pad_batch(samples[i:i + mb], self.device)
             logprobs = self._logprobs(self.model, batch)
+            if self.scorer is not None:
+                exact = self._exact_logprobs(samples[i:i + mb], logprobs.detach())
+                logprobs = _ExactValues.apply(logprobs, exact)
             mask = batch["mask"].bool()
             diffs.append((logprobs.detach() - batch["old"])[mask].abs())
             ref = None
@@ -112,6 +161,7 @@ class PolicyTrainer:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                          opts.get("max_grad_norm", 1.0)))
         self.optimizer.step()
+        self._scorer_current = False
         diff = torch.cat(diffs) if diffs else torch.zeros(0)
         merged = merge_stats(stats) if stats else None
         return {"loss": loss_sum, "grad_norm": grad_norm,

@@ -14,18 +14,20 @@ from collections.abc import Callable
 import torch
 
 from radixray.engine.attention.base import AttentionBackend
+from radixray.engine.attention.batch_invariant import BatchInvariantAttention
 from radixray.engine.attention.cpu_paged import CpuPagedAttention
 from radixray.engine.attention.torch_backend import TorchAttention
 from radixray.engine.memory import KVPool
 
-__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "CpuPagedAttention", "TorchAttention",
-           "create_attention_backend"]
+__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "BatchInvariantAttention",
+           "CpuPagedAttention", "TorchAttention", "create_attention_backend"]
 
 PAGED_POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e5m2)  # what the C++ decode kernel reads
 
 ATTENTION_BACKENDS: dict[str, Callable[..., AttentionBackend]] = {
     "torch": TorchAttention,
     "cpu_paged": CpuPagedAttention,
+    "cpu_batch_invariant": BatchInvariantAttention,
 }
 """Name -> factory. A GPU backend registers a factory that imports its library lazily."""
 

@@ -87,7 +87,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder over packed tokens; ``forward`` returns fp32 logits of each request's last new token."""
+    """Decoder over packed tokens; ``forward`` returns fp32 logits of each request's last new
+    token (of every new token when ``batch.all_logits``)."""
 
     def __init__(self, config, dtype: torch.dtype = torch.float32, max_positions: int | None = None,
                  kernels: CpuKernels | None = None):
@@ -124,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed_tokens(batch.input_ids), None
         for layer in self.layers:
             x, residual = layer(batch.positions, x, batch, residual)
-        if batch.mode is not ForwardMode.DECODE:
+        if batch.mode is not ForwardMode.DECODE and not batch.all_logits:
             rows = batch.last_token_rows()
             x, residual = x[rows], residual[rows]
         _, h = self.norm.add_norm(x, residual)
