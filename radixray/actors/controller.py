@@ -430,6 +430,13 @@ class Controller:
             timeout_s) for r in live))
         return {"group_name": group_name, "world_size": world_size, "ranks": ranks}
 
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> dict:
+        """Every live worker leaves ``group_name``; worker -> whether it was in it."""
+        live = self.registry.live()
+        left = await asyncio.gather(*(r.handle.destroy_weights_update_group.remote(group_name)
+                                      for r in live))
+        return dict(zip((r.worker_id for r in live), left))
+
     async def update_weights(self, source: dict, weight_version: int | None = None,
                              pause_mode: str | None = "retract",
                              release_memory: list[str] = (), keep_paused: bool = False) -> dict:

@@ -265,6 +265,9 @@ class EngineWorker:
                                        master_port, rank_offset, world_size, group_name, backend,
                                        timeout_s)
 
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> bool:
+        return await asyncio.to_thread(self.engine.destroy_weights_update_group, group_name)
+
     async def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
                                               group_name: str = DEFAULT_GROUP) -> dict:
         return await asyncio.to_thread(self.engine.update_weights_from_distributed, names, dtypes,

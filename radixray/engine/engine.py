@@ -312,6 +312,10 @@ class Engine:
         return self.weights.init_group(master_address, master_port, rank_offset, world_size,
                                        group_name, backend, timeout_s)
 
+    def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> bool:
+        """Leave the trainer's group (False if not in it); a new group may be joined after."""
+        return self.weights.destroy_group(group_name)
+
     def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
                                         group_name: str = DEFAULT_GROUP) -> dict:
         """Receive the trainer's broadcast of ``names`` (in order) into the open session."""

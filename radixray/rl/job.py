@@ -130,27 +130,47 @@ class Job:
 
     def sync(self) -> dict:
         """Send the trained weights to every worker (one new version); returns the update's
-        result (weight_version, phases)."""
+        result (weight_version, phases). If the trainer or any worker fails, every worker
+        keeps the old version and serves again (colocated: its weights come back from their
+        spill), and the error is raised."""
+        if self.cfg.placement == "colocated":
+            try:
+                return self._sync_colocated()
+            except BaseException:
+                self._restore()
+                raise
+        return self._sync_separate()
+
+    def _sync_colocated(self) -> dict:
         import ray
         cfg = self.cfg
-        if cfg.placement == "colocated":
-            # The weights stay released: the update replaces every one of them, so their
-            # spilled bytes are never read back (only the rotary tables are).
-            t0 = time.perf_counter()
-            _check(ray.get(self.controller.resume_memory_occupation.remote(["kv_cache"])),
-                   "resume_memory_occupation")
-            t1 = time.perf_counter()
-            handle = ray.get(self.trainer.write_shared.remote())
-            t2 = time.perf_counter()
-            source = {"kind": "tensor", "shared": handle}
-            result = ray.get(self.controller.update_weights.remote(source, None, cfg.pause_mode))
-            result["phases"] = {"resume_memory": t1 - t0, "trainer_write": t2 - t1,
-                                **result["phases"]}
-            return result
+        # The weights stay released: the update replaces every one of them, so their
+        # spilled bytes are never read back (only the rotary tables are).
+        t0 = time.perf_counter()
+        _check(ray.get(self.controller.resume_memory_occupation.remote(["kv_cache"])),
+               "resume_memory_occupation")
+        t1 = time.perf_counter()
+        handle = ray.get(self.trainer.write_shared.remote())
+        t2 = time.perf_counter()
+        source = {"kind": "tensor", "shared": handle}
+        result = ray.get(self.controller.update_weights.remote(source, None, cfg.pause_mode))
+        result["phases"] = {"resume_memory": t1 - t0, "trainer_write": t2 - t1,
+                            **result["phases"]}
+        return result
+
+    def _sync_separate(self) -> dict:
+        import ray
         names, dtypes, shapes = self.spec
         source = {"kind": "distributed", "names": names, "dtypes": dtypes, "shapes": shapes}
-        update = self.controller.update_weights.remote(source, None, cfg.pause_mode)
-        ray.get(self.trainer.broadcast.remote())
+        update = self.controller.update_weights.remote(source, None, self.cfg.pause_mode)
+        try:
+            ray.get(self.trainer.broadcast.remote())
+        except BaseException:
+            try:  # the workers' receives fail too; wait for them to roll back
+                ray.get(update)
+            except Exception as exc:  # noqa: BLE001 - the trainer's error is the one to raise
+                logger.info("the fleet's update failed with the trainer's: %s", exc)
+            raise
         return ray.get(update)
 
     def evaluate(self, problems) -> float:
@@ -164,6 +184,8 @@ class Job:
         import ray
         self._heartbeats.set()
         try:
+            if self.cfg.placement == "separate":  # the workers may join another job's group
+                ray.get(self.controller.destroy_weights_update_group.remote())
             ray.get(self.trainer.close.remote())
             ray.kill(self.trainer)
             if self.owns_fleet:  # the fleet this job started goes with it, controller included

@@ -172,6 +172,25 @@ class PolicyTrainer:
                 "logprob_abs_diff_mean": float(diff.mean()) if diff.numel() else 0.0,
                 "train_s": time.perf_counter() - t0}
 
+    def inject_fault(self, phase: str | None) -> None:
+        """Tests: the next :meth:`write_shared` or :meth:`broadcast` (``phase``) fails after
+        sending half the tensors, as a trainer dying mid-update would; None clears it."""
+        if phase not in (None, "write_shared", "broadcast"):
+            raise ValueError(f"phase must be 'write_shared', 'broadcast' or None, got {phase!r}")
+        self._fault = phase
+
+    def _items(self, phase: str):
+        """The named weights in order, failing half way when ``phase`` has a fault injected."""
+        items = list(self.named_weights().items())
+        if getattr(self, "_fault", None) != phase:
+            return items
+        self._fault = None
+
+        def failing():
+            yield from items[:len(items) // 2]
+            raise RuntimeError(f"injected trainer fault during {phase}")
+        return failing()
+
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The parameters under their Hugging Face names (tied ones once)."""
         return {name: p.detach() for name, p in self.model.named_parameters()}
@@ -181,10 +200,9 @@ class PolicyTrainer:
         """Copy the weights into this trainer's shared-memory file (made on first use);
         returns the handle the workers read."""
         from radixray.cluster.shared_weights import SharedWeightsWriter
-        named = self.named_weights()
         if self._shared is None:
-            self._shared = SharedWeightsWriter(named, directory)
-        return self._shared.write(named)
+            self._shared = SharedWeightsWriter(self.named_weights(), directory)
+        return self._shared.write(self._items("write_shared"))
 
     def weight_spec(self) -> tuple[list[str], list[str], list[list[int]]]:
         from radixray.engine.weight_sync import WeightBroadcaster
@@ -198,8 +216,15 @@ class PolicyTrainer:
                                               backend)
 
     def broadcast(self) -> int:
-        """Send every weight, in :meth:`weight_spec` order; returns the bytes sent."""
-        return self._broadcaster.send(self.named_weights().items())
+        """Send every weight, in :meth:`weight_spec` order; returns the bytes sent. If sending
+        fails the group is closed at once, so the workers' receives fail now (and they keep
+        their weights) instead of waiting out the group's timeout."""
+        try:
+            return self._broadcaster.send(self._items("broadcast"))
+        except BaseException:
+            self._broadcaster.close()
+            self._broadcaster = None
+            raise
 
     def close(self) -> None:
         if self._shared is not None:

@@ -6,7 +6,8 @@ GET /v1/models, /metrics, /health, /health_generate, /ready; fleet admin: GET
 /fleet, POST /fleet/workers/{id}/drain, /fleet/workers/{id}/resume, /fleet/router;
 RL control (every worker; see actors/weight_rollout.py): POST /pause_generation,
 /continue_generation, /release_memory_occupation, /resume_memory_occupation,
-/update_weights_from_disk, /init_weights_update_group, /update_weights_from_distributed;
+/update_weights_from_disk, /init_weights_update_group, /update_weights_from_distributed,
+/destroy_weights_update_group;
 GET /get_weight_version. Tensor updates from a colocated trainer go through the
 controller's Ray handle (``update_weights`` with a tensor source), not HTTP.
 Every error is an OpenAI-style ``{"error": {...}}`` body; schema errors are 400
@@ -32,6 +33,7 @@ from radixray.serve.frontend import ApiError, Frontend, api_error_from
 from radixray.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DestroyWeightsUpdateGroup,
     GenerateRequest,
     InitWeightsUpdateGroup,
     MemoryTags,
@@ -277,6 +279,12 @@ class Ingress:
         return await self._admin(self.controller.init_weights_update_group.remote(
             body.master_address, body.master_port, body.world_size, body.group_name,
             body.backend, body.timeout_s))
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(self, body: DestroyWeightsUpdateGroup):
+        left = await self._admin(self.controller.destroy_weights_update_group.remote(
+            body.group_name))
+        return {"success": True, "workers": left}
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(self, body: UpdateWeightsFromDistributed):

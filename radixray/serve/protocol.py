@@ -149,6 +149,14 @@ class UpdateWeightsFromDisk(_FleetUpdate):
     model_path: str = Field(min_length=1)
 
 
+class DestroyWeightsUpdateGroup(BaseModel):
+    """POST /destroy_weights_update_group: every worker leaves the trainer's group."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    group_name: str = "weight_update_group"
+
+
 class InitWeightsUpdateGroup(BaseModel):
     """POST /init_weights_update_group: every worker joins the trainer's (rank 0) group."""
 

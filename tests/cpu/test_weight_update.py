@@ -250,6 +250,9 @@ def test_distributed_update_from_a_trainer_process_over_gloo(tiny_qwen3_dir, tmp
             assert int(out.strip()) == staged["bytes"]
             prompts = random_prompts(hf.config.vocab_size)[2:5]
             assert_matches_hf(eng, hf, prompts, NEW, "distributed update", version=2)
+            # Leaving the group frees its name for the next trainer's group.
+            assert eng.destroy_weights_update_group("g") is True
+            assert eng.destroy_weights_update_group("g") is False
     finally:
         trainer.kill()
 
