@@ -39,7 +39,7 @@ generate: venv
 	$(VENV)/bin/radixray generate --chat "$(PROMPT)"
 
 test: venv
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q --durations=20
 
 test-slow: venv
 	$(PY) -m pytest tests -q -m slow
