@@ -44,6 +44,8 @@ class Controller:
         self.draining = False
         self.router = None
         self.placement_group = None
+        self._owns_placement_group = True
+        self._first_bundle = 0  # of the workers in the placement group
         self._info: WorkerInfo | None = None
         self._start_task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -67,7 +69,7 @@ class Controller:
         fleet = self.cfg.fleet
         t0 = time.perf_counter()
         bundle = self._bundle()
-        if bundle:
+        if bundle and self.placement_group is None:
             from ray.util import placement_group
             self.placement_group = placement_group([dict(bundle)] * fleet.workers,
                                                    strategy=fleet.placement_strategy,
@@ -91,6 +93,19 @@ class Controller:
         self._spawn(self._health_loop())
         await self._publish()
 
+    def adopt_placement_group(self, group, first_bundle: int) -> None:
+        """Start the workers in bundles ``first_bundle ..`` of ``group`` (a GRPO job's, which
+        also holds its trainer) instead of a group of the fleet's own; call before
+        :meth:`start`. The group stays its owner's when the fleet stops."""
+        if self._start_task is not None:
+            raise RuntimeError("adopt_placement_group must come before start()")
+        self.placement_group, self._first_bundle = group, first_bundle
+        self._owns_placement_group = False
+
+    def worker_bundle(self) -> dict:
+        """The resources one worker's bundle asks for ({} when the workers need none)."""
+        return self._bundle()
+
     def _bundle(self) -> dict:
         s = self.cfg.server
         return {k: v for k, v in (("CPU", s.worker_num_cpus), ("GPU", s.worker_num_gpus)) if v > 0}
@@ -104,7 +119,7 @@ class Controller:
         if self.placement_group is not None:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                self.placement_group, placement_group_bundle_index=rec.index)
+                self.placement_group, placement_group_bundle_index=self._first_bundle + rec.index)
         rec.handle = worker_actor_class().options(**options).remote(
             self.cfg.engine.engine_options(), rec.worker_id, s.warmup, s.log_level,
             cores_shared_by=self._workers_per_node(), niceness=s.worker_niceness)
@@ -174,10 +189,10 @@ class Controller:
         for rec in self.registry:
             rec.set_state("failed")
             rec.error = "fleet stopped"
-        if self.placement_group is not None:
+        if self.placement_group is not None and self._owns_placement_group:
             from ray.util import remove_placement_group
             remove_placement_group(self.placement_group)
-            self.placement_group = None
+        self.placement_group = None
 
     # ---- health ---------------------------------------------------------------------
     def _spawn(self, coro) -> None:

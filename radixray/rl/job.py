@@ -13,7 +13,9 @@ training:
   by broadcast from the trainer (rank 0) over torch.distributed (gloo on CPU).
 
 Either way the update is the fleet-wide all-or-none session of the control plane, so a
-trainer that fails mid-update leaves every worker on the old version.
+trainer that fails mid-update leaves every worker on the old version. The trainer and,
+when the job starts the fleet, every worker share one placement group
+(:mod:`radixray.rl.placement`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import time
 import uuid
 
 from radixray.rl.config import GRPOConfig
+from radixray.rl.placement import JobPlacement, trainer_memory_bytes
 from radixray.rl.rollout import Group, RolloutManager
 
 logger = logging.getLogger("radixray.rl")
@@ -77,19 +80,27 @@ class Job:
         self.controller = get_or_create_controller(serve_cfg)
         self._heartbeats = start_heartbeats(self.controller, f"grpo-{uuid.uuid4().hex[:8]}",
                                             serve_cfg.fleet.owner_timeout_s / 4)
+        source = resolve_model(cfg.model)
+        device = serve_cfg.engine.device
+        worker_bundle = ray.get(self.controller.worker_bundle.remote()) if self.owns_fleet else {}
+        self.placement = JobPlacement(
+            cfg.placement, device, trainer_memory_bytes(source.path, cfg.kl_coef > 0,
+                                                        cfg.deterministic),
+            worker_bundle, serve_cfg.fleet.workers, serve_cfg.fleet.placement_strategy)
+        self.placement.ready()
+        if self.owns_fleet and worker_bundle:
+            ray.get(self.controller.adopt_placement_group.remote(self.placement.group, 1))
         ray.get(self.controller.start.remote())
         self.router = find_router(serve_cfg)
-        source = resolve_model(cfg.model)
         self.task = get_task(cfg.task)
         self.rollouts = RolloutManager(
             self.controller, self.router, source.tokenizer,
             {"temperature": cfg.temperature, "top_p": cfg.top_p,
              "max_new_tokens": cfg.max_new_tokens}, priority=cfg.rollout_priority)
-        device = serve_cfg.engine.device
         options = {k: getattr(cfg, k) for k in ("learning_rate", "weight_decay", "kl_coef",
                                                 "clip_low", "clip_high", "micro_batch_size")}
         cpus = 0 if cfg.placement == "colocated" else 1
-        self.trainer = trainer_actor_class().options(num_cpus=cpus).remote(
+        self.trainer = trainer_actor_class().options(**self.placement.trainer()).remote(
             source.path, options, device, cfg.seed, cpus or None, cfg.deterministic)
         self.workers = len(ray.get(self.controller.live_workers.remote()))
         if cfg.placement == "separate":
@@ -191,5 +202,6 @@ class Job:
             if self.owns_fleet:  # the fleet this job started goes with it, controller included
                 ray.get(self.controller.stop_fleet.remote())
                 ray.kill(self.controller)
+            self.placement.remove()
         except Exception:  # noqa: BLE001 - closing must not hide the run's own error
             logger.exception("closing the GRPO job's actors failed")

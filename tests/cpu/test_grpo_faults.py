@@ -1,14 +1,15 @@
 """A GRPO job on a fleet that also serves HTTP, and the faults a job must survive.
 
-One served app (two tiny-Llama workers, round-robin routing, priority scheduling) is
-shared by every test: user requests keep being answered while a job trains and updates
-the weights; a trainer that fails mid-update leaves every worker on the old version,
+One served app (two deterministic tiny-Llama workers, round-robin routing, priority
+scheduling) is shared by every test: user requests keep being answered while a
+deterministic job trains and broadcasts the weights (its rollout and train logprobs equal); a trainer that fails mid-update leaves every worker on the old version,
 serving, and the job stops with the trainer's error; a worker that dies while it holds a
 group gets that group resampled, whole, on the other worker.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -25,7 +26,7 @@ def fleet_config(tiny_llama_dir):
     from ray import serve
     # Half a CPU per worker: the separate-placement trainer takes the cluster's other one.
     config = tiny_config(tiny_llama_dir, free_port(), worker_num_cpus=0.5)
-    config["engine"]["enable_priority_scheduling"] = True
+    config["engine"].update(enable_priority_scheduling=True, deterministic=True)
     config["fleet"] = {"workers": 2}
     config["router"] = {"policy": "round_robin"}
     start_local_ray()
@@ -59,7 +60,7 @@ def test_user_requests_are_answered_while_a_job_trains_and_updates(fleet_config,
     from radixray.rl.grpo import run
     from radixray.rl.job import Job
     config, base = fleet_config
-    job = Job(_job_config(config, steps=4))
+    job = Job(_job_config(config, steps=4, deterministic=True))
     assert not job.owns_fleet
     (start,) = _versions(job)
     answers: list[int] = []
@@ -89,6 +90,10 @@ def test_user_requests_are_answered_while_a_job_trains_and_updates(fleet_config,
         thread.join()
     assert during and set(answers) == {200}, answers
     assert _versions(job) == {start + job.cfg.steps}
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["synced_version"] - start for r in rows] == [1, 2, 3, 4]
+    assert all("release" not in r["sync_phases"] for r in rows)  # separate: nothing released
+    assert [r["logprob_abs_diff_max"] for r in rows] == [0.0] * 4  # exactly the sent weights
     assert httpx.get(f"{base}/ready").status_code == 200
 
 

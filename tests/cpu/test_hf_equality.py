@@ -34,6 +34,8 @@ SMOL_PROMPTS = [
 ]
 
 
+@pytest.mark.slow  # 80 s; the converted folder's greedy output is checked against
+# transformers by tests/cpu/test_weight_update.py::test_default_model_takes_new_weights_by_every_path
 def test_smollm2_gguf_matches_hf():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

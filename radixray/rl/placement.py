@@ -1,0 +1,69 @@
+"""One placement group per GRPO job: the trainer's bundle first, then one per engine worker.
+
+A job that starts its own fleet reserves everything it will use in one group (strategy:
+the fleet's ``placement_strategy``, PACK by default, so one node when it fits), hands the
+worker bundles to the fleet's controller and puts the trainer on bundle 0. What the
+trainer's bundle asks for follows the placement:
+
+- ``colocated``: memory only (the trainer shares the workers' CPUs, which are paused while
+  it trains): an estimate of the trainer's bytes, so the group lands on a node with room;
+- ``separate``: a CPU (and a GPU when the engine runs on CUDA) of its own.
+
+A job that joins a running fleet (``radixray serve`` started elsewhere) cannot move its
+workers; its group then holds the trainer's bundle alone.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import uuid
+
+TRAINER_BYTES_PER_WEIGHT_BYTE = 4  # weights, gradients and AdamW's two moments
+
+
+def trainer_memory_bytes(model_path: str, kl: bool, deterministic: bool) -> int:
+    """Estimated resident bytes of the trainer: 4x its fp32 weights (weights, gradients,
+    two AdamW moments), plus a frozen reference copy with KL, plus the deterministic
+    scorer's copy. The weights' size is read from the checkpoint's safetensors files."""
+    weights = sum(os.path.getsize(f) for f in glob.glob(os.path.join(model_path, "*.safetensors")))
+    copies = TRAINER_BYTES_PER_WEIGHT_BYTE + int(kl) + int(deterministic)
+    return max(weights, 1) * copies
+
+
+class JobPlacement:
+    """The job's placement group and the trainer's options within it."""
+
+    def __init__(self, placement: str, device: str, trainer_bytes: int,
+                 worker_bundle: dict | None, workers: int, strategy: str):
+        from ray.util import placement_group
+        if placement == "colocated":
+            self.trainer_bundle = {"memory": trainer_bytes}
+            self.trainer_options = {"num_cpus": 0, "memory": trainer_bytes}
+        else:
+            gpus = 0 if device == "cpu" else 1
+            self.trainer_bundle = {"CPU": 1, **({"GPU": gpus} if gpus else {})}
+            self.trainer_options = {"num_cpus": 1, "num_gpus": gpus}
+        self.worker_bundles = [dict(worker_bundle)] * workers if worker_bundle else []
+        self.group = placement_group([self.trainer_bundle, *self.worker_bundles],
+                                     strategy=strategy, name=f"grpo-{uuid.uuid4().hex[:8]}")
+
+    def ready(self, timeout_s: float = 600.0) -> None:
+        """Wait until every bundle is reserved; TimeoutError says what the group asks for."""
+        import ray
+        ready, _ = ray.wait([self.group.ready()], timeout=timeout_s)
+        if not ready:
+            raise TimeoutError(
+                f"the job's placement group was not placed within {timeout_s:.0f} s: it asks "
+                f"for {[self.trainer_bundle, *self.worker_bundles]}; the cluster has "
+                f"{ray.available_resources()} free")
+
+    def trainer(self) -> dict:
+        """Actor options that put the trainer on bundle 0."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        return {**self.trainer_options, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            self.group, placement_group_bundle_index=0)}
+
+    def remove(self) -> None:
+        from ray.util import remove_placement_group
+        remove_placement_group(self.group)
