@@ -88,7 +88,10 @@ class WeightUpdater:
                                  "abort_weight_update first")
             if self._layout is None:
                 self._layout = WeightLayout(self.runner.model)
-            self._stage = WeightStage(self._layout)
+            # Released weights mean a colocated trainer just ran: memory is fragmented, and
+            # faulting huge pages would wait on compaction (see WeightStage).
+            self._stage = WeightStage(self._layout,
+                                      fault_huge_pages="weights" not in self.memory.released)
             self._prepared = None
             self._phases = {"transfer": 0.0}
 
