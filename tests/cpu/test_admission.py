@@ -212,8 +212,11 @@ def test_worked_example_five_run_eleven_wait_in_waves(tiny_llama_dir):
         assert sched.stats.num_retracted_reqs == 0
         assert all(len(o["output_ids"]) == 512 for o in outs)
         assert all(o["meta_info"]["num_retractions"] == 0 for o in outs)
-        waits = sorted(o["meta_info"]["queue_time"] for o in outs)
-        assert waits[5] > waits[4] * 10  # the second wave waited for the first one
+        # The second wave was admitted after the first wave finished (all arrived in one
+        # call, microseconds apart): a causal bound, not a speed ratio.
+        by_wait = sorted(outs, key=lambda o: o["meta_info"]["queue_time"])
+        first_done = min(o["meta_info"]["e2e_latency"] for o in by_wait[:5])
+        assert by_wait[5]["meta_info"]["queue_time"] > 0.5 * first_done
         eng.check_kv_conservation()
 
 

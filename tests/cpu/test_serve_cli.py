@@ -124,7 +124,7 @@ def test_ray_job_submit_builds_the_app_and_answers(tiny_llama_dir, tmp_path):
                     "--object-store-memory", str(256 * 1024 ** 2)],
                    env=ENV, check=True, capture_output=True, timeout=180)
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 420
         while True:  # `ray start` returns before the dashboard's job agent takes jobs
             out = subprocess.run([RAY, "job", "submit", "--address", f"http://127.0.0.1:{dash}",
                                   "--", sys.executable, str(script), tiny_llama_dir, str(http)],
