@@ -68,7 +68,7 @@ class Controller:
         from radixray.actors.router import router_actor_class
         fleet = self.cfg.fleet
         t0 = time.perf_counter()
-        bundle = self._bundle()
+        bundle = self.cfg.worker_bundle()
         if bundle and self.placement_group is None:
             from ray.util import placement_group
             self.placement_group = placement_group([dict(bundle)] * fleet.workers,
@@ -101,14 +101,6 @@ class Controller:
             raise RuntimeError("adopt_placement_group must come before start()")
         self.placement_group, self._first_bundle = group, first_bundle
         self._owns_placement_group = False
-
-    def worker_bundle(self) -> dict:
-        """The resources one worker's bundle asks for ({} when the workers need none)."""
-        return self._bundle()
-
-    def _bundle(self) -> dict:
-        s = self.cfg.server
-        return {k: v for k, v in (("CPU", s.worker_num_cpus), ("GPU", s.worker_num_gpus)) if v > 0}
 
     def _launch(self, rec: WorkerRecord) -> None:
         """Create the worker actor for ``rec`` in its bundle (returns at once)."""

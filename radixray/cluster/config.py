@@ -171,6 +171,11 @@ class ServeConfig(BaseModel):
         """Read a YAML file, apply ``{"engine": {...}, "server": {...}}`` overrides, validate."""
         return cls.parse(merge(read_yaml_mapping(path), overrides or {}))
 
+    def worker_bundle(self) -> dict:
+        """The resources one engine worker's placement bundle asks for ({} when none)."""
+        s = self.server
+        return {k: v for k, v in (("CPU", s.worker_num_cpus), ("GPU", s.worker_num_gpus)) if v > 0}
+
     def fleet_key(self) -> str:
         """Short hash of everything that shapes the fleet (engine, fleet, router, worker
         resources). A redeploy that changes any of it gets a new fleet; one that changes

@@ -269,13 +269,13 @@ class Sampler:
         ]
         rows_t = torch.tensor(rows, device=device)
         sub = x.index_select(0, rows_t)
-        scaled = torch.tensor([s != 1.0 for s in scale], device=device).unsqueeze(1)
-        if bool(scaled.any()):
+        scaled = [s != 1.0 for s in scale]
+        if any(scaled):
             # Shift before scaling (as in sampling) so a tiny temperature cannot overflow;
             # rows at temperature 1 keep their raw logits whatever the other rows need.
             temps = torch.tensor(scale, dtype=torch.float32, device=device).clamp_(TINY, HUGE)
             shifted = (sub - sub.amax(dim=-1, keepdim=True)) / temps.unsqueeze(1)
-            sub = torch.where(scaled, shifted, sub)
+            sub = torch.where(torch.tensor(scaled, device=device).unsqueeze(1), shifted, sub)
         lp = log_probs(sub)
         chosen = lp.gather(1, tokens.index_select(0, rows_t).unsqueeze(1)).squeeze(1).tolist()
 

@@ -49,19 +49,21 @@ class SequenceScorer:
 
     def logprobs(self, sequences: list[list[int]]) -> list[torch.Tensor]:
         """For each sequence, [len - 1] fp32: the logprob of token t after tokens 0..t-1."""
+        most = min(self.context_len, self.max_tokens)
         for i, seq in enumerate(sequences):
-            most = min(self.context_len, self.max_tokens)
             if not 2 <= len(seq) <= most:
                 raise ValueError(f"sequences[{i}] has {len(seq)} tokens; scoring takes 2 to "
                                  f"{most} (max_tokens={self.max_tokens}, context "
                                  f"{self.context_len})")
         out: list[torch.Tensor] = []
         pack: list[list[int]] = []
+        packed = 0
         for seq in sequences:
-            if pack and sum(map(len, pack)) + len(seq) > self.max_tokens:
+            if pack and packed + len(seq) > self.max_tokens:
                 out.extend(self._forward(pack))
-                pack = []
+                pack, packed = [], 0
             pack.append(seq)
+            packed += len(seq)
         if pack:
             out.extend(self._forward(pack))
         return out

@@ -82,7 +82,7 @@ class Job:
                                             serve_cfg.fleet.owner_timeout_s / 4)
         source = resolve_model(cfg.model)
         device = serve_cfg.engine.device
-        worker_bundle = ray.get(self.controller.worker_bundle.remote()) if self.owns_fleet else {}
+        worker_bundle = serve_cfg.worker_bundle() if self.owns_fleet else {}
         self.placement = JobPlacement(
             cfg.placement, device, trainer_memory_bytes(source.path, cfg.kl_coef > 0,
                                                         cfg.deterministic),
@@ -99,9 +99,9 @@ class Job:
              "max_new_tokens": cfg.max_new_tokens}, priority=cfg.rollout_priority)
         options = {k: getattr(cfg, k) for k in ("learning_rate", "weight_decay", "kl_coef",
                                                 "clip_low", "clip_high", "micro_batch_size")}
-        cpus = 0 if cfg.placement == "colocated" else 1
+        threads = self.placement.trainer_options["num_cpus"] or None  # colocated: every core
         self.trainer = trainer_actor_class().options(**self.placement.trainer()).remote(
-            source.path, options, device, cfg.seed, cpus or None, cfg.deterministic)
+            source.path, options, device, cfg.seed, threads, cfg.deterministic)
         self.workers = len(ray.get(self.controller.live_workers.remote()))
         if cfg.placement == "separate":
             self._open_broadcast()

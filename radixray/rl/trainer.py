@@ -99,6 +99,7 @@ class PolicyTrainer:
                                            weight_decay=options.get("weight_decay", 0.0))
         self._shared = None
         self._broadcaster = None
+        self._fault: str | None = None  # inject_fault
         self.scorer = None
         self._scorer_current = False  # the scorer holds the model's present weights
         if deterministic:
@@ -182,7 +183,7 @@ class PolicyTrainer:
     def _items(self, phase: str):
         """The named weights in order, failing half way when ``phase`` has a fault injected."""
         items = list(self.named_weights().items())
-        if getattr(self, "_fault", None) != phase:
+        if self._fault != phase:
             return items
         self._fault = None
 
