@@ -95,7 +95,18 @@ def assert_disconnect_returns_kv(base: str) -> None:
             timeout=60) as s:
         lines = s.iter_lines()
         got = [next(lines) for _ in range(4)]
+        # Hold the request in place so it cannot finish before the disconnect reaches its
+        # worker (a tiny model writes 900 tokens faster than the proxy notices a close).
+        paused = httpx.post(f"{base}/pause_generation", json={"mode": "in_place"}, timeout=60)
+        assert paused.json()["requests"] == {"worker-0": 1}, paused.text
     assert any(line.startswith("data: ") for line in got)
+    try:
+        _wait_disconnect_abort(base, before)
+    finally:
+        httpx.post(f"{base}/continue_generation", timeout=60).raise_for_status()
+
+
+def _wait_disconnect_abort(base: str, before: str) -> None:
     kv = None
     for _ in range(100):  # the abort reaches the worker asynchronously
         kv = httpx.get(f"{base}/debug/kv_conservation", timeout=60).json()["worker-0"]
