@@ -27,6 +27,7 @@ from radixray.cluster.config import ServeConfig
 from radixray.cluster.errors import WorkerUnavailable, unwrap_ray_error
 from radixray.cluster.messages import FleetHealth, WorkerEntry, WorkerInfo
 from radixray.cluster.metrics import controller_families
+from radixray.cluster.pd_bootstrap import PDBootstrapService
 from radixray.cluster.registry import Registry, WorkerRecord
 from radixray.engine.weight_session import DEFAULT_GROUP
 
@@ -53,6 +54,7 @@ class Controller:
         self._created = time.monotonic()
         self._watchdog: asyncio.Task | None = None
         self.weights = FleetWeights()  # the fleet's weight version and its updates
+        self.pd = PDBootstrapService()  # prefill-decode endpoints and handshake
 
     # ---- start-up -------------------------------------------------------------------
     async def start(self) -> WorkerInfo:
@@ -71,14 +73,14 @@ class Controller:
         bundle = self.cfg.worker_bundle()
         if bundle and self.placement_group is None:
             from ray.util import placement_group
-            self.placement_group = placement_group([dict(bundle)] * fleet.workers,
+            self.placement_group = placement_group([dict(bundle)] * fleet.total_workers,
                                                    strategy=fleet.placement_strategy,
                                                    name=f"{self.cfg.app_name}-workers")
             await self.placement_group.ready()
         self.router = router_actor_class().options(
             name=self.cfg.router_name(), namespace=self.cfg.namespace, get_if_exists=True,
             num_cpus=0, max_concurrency=1000).remote(self.cfg.router.settings())
-        records = [self.registry.add(i) for i in range(fleet.workers)]
+        records = [self.registry.add(i, role) for i, role in enumerate(fleet.roles())]
         for rec in records:
             self._launch(rec)
         await asyncio.gather(*(self._await_ready(rec) for rec in records))
@@ -87,6 +89,8 @@ class Controller:
             raise RuntimeError("no engine worker started: "
                                + "; ".join(f"{r.worker_id}: {r.error}" for r in records))
         self._info = await ready[0].handle.info.remote()
+        if fleet.disaggregated:
+            await self.pd.handshake(self.registry)
         logger.info("fleet ready in %.1f s: %d/%d workers, policy %s, placement %s %s",
                     time.perf_counter() - t0, len(ready), len(records), self.cfg.router.policy,
                     fleet.placement_strategy, bundle or "(no bundle)")
@@ -112,9 +116,11 @@ class Controller:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 self.placement_group, placement_group_bundle_index=self._first_bundle + rec.index)
+        import ray
         rec.handle = worker_actor_class().options(**options).remote(
-            self.cfg.engine.engine_options(), rec.worker_id, s.warmup, s.log_level,
-            cores_shared_by=self._workers_per_node(), niceness=s.worker_niceness)
+            self.cfg.engine_options_for(rec.role), rec.worker_id, s.warmup, s.log_level,
+            cores_shared_by=self._workers_per_node(), niceness=s.worker_niceness,
+            fleet=ray.get_runtime_context().current_actor if rec.role != "unified" else None)
         rec.set_state("starting")
         rec.weight_version = 0
         rec.started_at = time.time()
@@ -123,7 +129,8 @@ class Controller:
     def _workers_per_node(self) -> int:
         # PACK puts every bundle on one node when it fits (the local and single-node case);
         # SPREAD strategies put one per node.
-        return 1 if "SPREAD" in self.cfg.fleet.placement_strategy else self.cfg.fleet.workers
+        return 1 if "SPREAD" in self.cfg.fleet.placement_strategy else \
+            self.cfg.fleet.total_workers
 
     async def _await_ready(self, rec: WorkerRecord) -> None:
         """Wait for the worker's constructor (model load + warm-up); record the outcome."""
@@ -132,6 +139,7 @@ class Controller:
         except Exception as exc:  # noqa: BLE001 - any start-up failure marks the slot dead
             self._mark_dead(rec, f"start-up failed: {unwrap_ray_error(exc)}")
             return
+        rec.kv_session, rec.kv_layout = info.kv_session, info.kv_layout
         behind = await self.weights.catch_up(rec)
         if behind:
             rec.error = behind
@@ -288,9 +296,13 @@ class Controller:
         await self._publish()
 
     async def _publish(self) -> None:
-        """Tell the router which workers take new requests, and their weight versions."""
+        """Tell the router which workers take new requests (and their roles), and their
+        weight versions; a disaggregated fleet that lost its handshake tries again."""
+        if self.cfg.fleet.disaggregated and self._info is not None:
+            await self.pd.handshake(self.registry)
         if self.router is not None:
-            await self.router.set_workers.remote(self.registry.routable())
+            await self.router.set_workers.remote(
+                self.registry.routable(), {r.worker_id: r.role for r in self.registry})
             await self.router.set_weight_versions.remote(
                 {r.worker_id: r.weight_version for r in self.registry.live()})
 
@@ -311,7 +323,8 @@ class Controller:
         live = self.registry.live()
         return FleetHealth(self.draining, len(self.registry.routable()), self.registry.counts(),
                            {r.worker_id: r.error for r in self.registry
-                            if r not in live and r.error})
+                            if r not in live and r.error},
+                           self.pd.status(self.registry) if self.cfg.fleet.disaggregated else None)
 
     async def drain_worker(self, worker_id: str) -> dict:
         """Stop sending new requests to ``worker_id``; its in-flight requests finish."""
@@ -395,8 +408,11 @@ class Controller:
     async def fleet_state(self) -> dict:
         """The admin view: every worker's record plus the router's state."""
         router = await self.router.state.remote() if self.router is not None else None
-        return {"app": self.cfg.app_name, "draining": self.draining,
-                "workers": [r.as_json() for r in self.registry], "router": router}
+        out = {"app": self.cfg.app_name, "draining": self.draining,
+               "workers": [r.as_json() for r in self.registry], "router": router}
+        if self.cfg.fleet.disaggregated:
+            out["disaggregation"] = self.pd.status(self.registry)
+        return out
 
     async def metric_families(self) -> list[list]:
         """Prometheus families of every live worker, the router and the controller."""

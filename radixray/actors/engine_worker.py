@@ -28,7 +28,7 @@ from radixray.cluster.messages import ChannelState, SubmitRequest, WorkerInfo, W
 from radixray.cluster.metrics import WorkerMetrics, scheduler_snapshot
 from radixray.cluster.shared_weights import SharedWeightsHandle, read_shared
 from radixray.cluster.tensor_payload import from_payload, is_payload
-from radixray.engine.engine import Engine, StepChannel
+from radixray.engine.engine import Engine, StepChannel, attach_bootstrap
 from radixray.engine.faults import EngineFailed, EngineHealth
 from radixray.engine.inputs import build_requests
 from radixray.engine.scheduler import CallInLoop
@@ -44,11 +44,13 @@ class EngineWorker:
     (see :func:`worker_actor_class`) or call it directly in tests."""
 
     def __init__(self, engine_options: dict, worker_id: str = "worker-0", warmup: bool = True,
-                 log_level: str = "INFO", cores_shared_by: int = 1, niceness: int | None = 0):
+                 log_level: str = "INFO", cores_shared_by: int = 1, niceness: int | None = 0,
+                 fleet=None):
         """``cores_shared_by``: how many workers share this node's cores; without an explicit
         ``num_threads`` each gets an equal share (at least one thread). ``niceness``: what
         this process's threads are set to before the engine starts (see actors/niceness.py;
-        None keeps Ray's)."""
+        None keeps Ray's). ``fleet``: the controller's handle, through which a prefill or
+        decode worker finds the other worker of each pair."""
         logging.basicConfig(level=log_level.upper(), format="[%(asctime)s] %(message)s",
                             datefmt="%Y-%m-%d %H:%M:%S")
         if niceness is not None:
@@ -59,16 +61,28 @@ class EngineWorker:
             # cores, split evenly between the workers placed on this node.
             options["num_threads"] = max(1, len(os.sched_getaffinity(0)) // max(1, cores_shared_by))
         self.worker_id = worker_id
-        self.engine = Engine(**options)
+        self.engine = Engine(worker_id=worker_id, **options)
+        self.role = options.get("disaggregation_mode") or "unified"
+        self._outbox = None
+        if self.engine.pd is not None:
+            from radixray.actors.pd_outbox import PDOutbox
+            if fleet is None:
+                raise ValueError(f"a {self.role} worker needs the fleet's controller handle")
+            self._outbox = PDOutbox(fleet, self.engine.pd)
+            self.engine.pd.set_outbox(self._outbox)
         if niceness is not None:
             self._set_niceness(niceness)  # threads the engine started meanwhile
         self.metrics = WorkerMetrics(worker_id)
+        self.pd_metrics = None
+        if self.engine.pd is not None:
+            from radixray.cluster.pd_metrics import PDMetrics
+            self.pd_metrics = PDMetrics(worker_id, self.role)
         self.draining = False
         self._channels: dict[str, tuple[StepChannel, set[str]]] = {}
         self.started_at = time.time()
         if warmup:
             t0 = time.perf_counter()
-            out = self.engine.generate(WARMUP_PROMPT, {"max_new_tokens": 1, "temperature": 0.0})
+            out = self.engine.warm_up(WARMUP_PROMPT)
             reason = out["meta_info"]["finish_reason"]
             if reason["type"] == "error":  # the model cannot serve one token: do not start
                 raise RuntimeError(f"worker {worker_id} warm-up failed: {reason['message']}")
@@ -129,6 +143,7 @@ class EngineWorker:
             built, _ = build_requests(None, r.input_ids, r.sampling_params,
                                       self.engine.tokenizer, self.engine.limits, r.rid,
                                       r.priority)
+            attach_bootstrap(built, r.bootstrap)
             reqs.extend(built)
         channel, rids = entry
         try:
@@ -151,12 +166,46 @@ class EngineWorker:
     async def info(self) -> WorkerInfo:
         """Static facts the ingress needs: limits, model path, worker id."""
         limits = self.engine.limits
+        pd = self.engine.pd
         return WorkerInfo(self.worker_id, self.engine.config.model, limits.context_len,
-                          limits.vocab_size, limits.max_total_tokens, self.draining)
+                          limits.vocab_size, limits.max_total_tokens, self.draining, self.role,
+                          pd.session if pd else None, pd.layout if pd else None)
+
+    # ---- prefill-decode disaggregation (engine/disaggregation/, actors/pd_outbox.py) -----
+    async def pd_deliver(self, message) -> None:
+        """A room message from the other worker of a pair."""
+        if self.engine.pd is None:
+            raise ValueError(f"worker {self.worker_id} is unified: it takes no room messages")
+        self.engine.pd.deliver(message)
+
+    async def pd_status(self) -> dict:
+        """Rooms of this worker's side by state, and whether a test stall holds the sender."""
+        pd = self.engine.pd
+        if pd is None:
+            return {}
+        counts = await self._in_loop(lambda s: s.pd.counts())
+        return {**counts, "rooms": await self._in_loop(lambda s: len(s.pd.rooms)),
+                "stalled": pd.stalled.is_set() if pd.stalled is not None else False}
+
+    async def inject_pd_stall(self, seconds: float) -> None:
+        """Test hook (prefill worker): the KV sender stops for ``seconds`` before the next
+        room's last write (its first chunks are written), as a transfer cut mid-way."""
+        self.engine.pd.stall_next_final_write(seconds)
+
+    async def pd_probe(self, decode_worker: str, session: str, layout) -> float:
+        """Handshake (prefill worker): write this pool's padding slot into ``decode_worker``'s
+        over the transport, every layer; returns the seconds it took."""
+        pd = self.engine.pd
+        if pd is None or pd.mode != "prefill":
+            raise ValueError(f"worker {self.worker_id} is {self.role}, not prefill")
+        return await asyncio.to_thread(pd.probe, session, layout)
 
     async def load(self) -> WorkerLoad:
         """Running / queued requests, KV usage, weight version and released memory now."""
         snap = await self._in_loop(scheduler_snapshot)
+        snap.role = self.role
+        if snap.pd is not None:
+            self.pd_metrics.observe(snap.pd)
         snap.inflight = self.num_inflight()
         snap.weight_version = self.engine.get_weight_version()
         snap.memory_released = sorted(self.engine.memory.released)
@@ -317,10 +366,16 @@ class EngineWorker:
 
     async def metric_families(self) -> list:
         """This worker's Prometheus families (picklable) for the ingress's /metrics."""
-        return self.metrics.families(await self.load())
+        load = await self.load()
+        families = self.metrics.families(load)
+        if load.pd is not None:
+            families += self.pd_metrics.families(load.pd)
+        return families
 
     async def shutdown(self) -> None:
         self.engine.shutdown()
+        if self._outbox is not None:
+            self._outbox.close()
 
 
 def worker_actor_class():

@@ -1,8 +1,11 @@
 """RouterActor: the fleet's one routing state (prefix tree, loads, circuits, sessions).
 
 A thin async actor around :class:`radixray.cluster.routing.Router`. Every
-ingress replica asks it for a worker (``pick``) and reports back when the
-request ends (``release``), so all replicas share one tree and one load view.
+ingress replica asks it for a worker (``pick``), or for a prefill and a decode
+worker in a disaggregated fleet (``pick_pair``: the prefill worker by the
+configured policy over the prefill workers' prefix tree, the decode worker by
+least load), and reports back when the request ends (``release``, once per
+worker picked), so all replicas share one tree and one load view.
 Calls run one at a time on the actor's event loop; none blocks on I/O. A
 background task runs the tree's LRU eviction every ``eviction_interval_s``.
 """
@@ -10,17 +13,22 @@ background task runs the tree's LRU eviction every ``eviction_interval_s``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+from collections import Counter
 
 from radixray.cluster.metrics import router_families
-from radixray.cluster.routing import Router, RouterSettings
+from radixray.cluster.routing import NoWorkerAvailable, Router, RouterSettings
 
 logger = logging.getLogger("radixray.router")
 
 
 class RouterActor:
     def __init__(self, settings: RouterSettings):
-        self.router = Router(settings)
+        self.router = Router(settings)  # unified workers, or the prefill workers
+        self.decode = Router(dataclasses.replace(settings, policy="least_load"))
+        self.roles: dict[str, str] = {}
+        self.pairs: Counter[str] = Counter()
         self.retries = 0
         self._evictor: asyncio.Task | None = None
 
@@ -46,17 +54,38 @@ class RouterActor:
         decision = self.router.pick(text, session_id, exclude)
         return decision.worker, decision.reason
 
-    async def release(self, worker: str, ok: bool | None) -> None:
-        self.router.release(worker, ok)
+    async def pick_pair(self, text: str, session_id: str | None = None, exclude: list[str] = (),
+                        retry: bool = False) -> tuple[str, str, str]:
+        """(prefill worker, decode worker, reason) for one disaggregated request; raises
+        NoWorkerAvailable naming the role that has no candidate."""
+        self._ensure_evictor()
+        if retry:
+            self.retries += 1
+        prefill = self.router.pick(text, session_id, exclude)
+        try:
+            decode = self.decode.pick(text, None, exclude)
+        except NoWorkerAvailable as exc:
+            self.router.release(prefill.worker, None)
+            raise NoWorkerAvailable(f"no decode worker: {exc}") from None
+        self.pairs[f"{prefill.worker}->{decode.worker}"] += 1
+        return prefill.worker, decode.worker, prefill.reason
 
-    async def set_workers(self, workers: list[str]) -> None:
-        self.router.set_workers(workers)
+    async def release(self, worker: str, ok: bool | None) -> None:
+        (self.decode if self.roles.get(worker) == "decode" else self.router).release(worker, ok)
+
+    async def set_workers(self, workers: list[str], roles: dict[str, str] | None = None) -> None:
+        """The routable workers; ``roles`` (worker -> unified | prefill | decode) splits
+        them between the pick and the decode pool."""
+        self.roles = dict(roles or {})
+        self.router.set_workers([w for w in workers if self.roles.get(w) != "decode"])
+        self.decode.set_workers([w for w in workers if self.roles.get(w) == "decode"])
 
     async def set_policy(self, policy: str) -> None:
         self.router.set_policy(policy)
         logger.info("routing policy set to %s", policy)
 
     async def set_weight_versions(self, versions: dict[str, int]) -> list[str]:
+        self.decode.set_weight_versions(versions)
         changed = self.router.set_weight_versions(versions)
         if changed:
             logger.info("router forgot the prefixes of %s (new weight version)", ", ".join(changed))
@@ -66,7 +95,11 @@ class RouterActor:
         self.router.forget_prefixes()
 
     async def state(self) -> dict:
-        return {**self.router.state(), "retries": self.retries}
+        out = {**self.router.state(), "retries": self.retries}
+        if "decode" in self.roles.values():
+            out["decode"] = self.decode.state()
+            out["pairs"] = dict(self.pairs)
+        return out
 
     async def metric_families(self) -> list:
         return router_families(self.router.state(), self.retries)

@@ -101,7 +101,15 @@ class FleetSection(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    workers: int = Field(1, ge=1)
+    workers: int = Field(1, ge=0)  # unified workers (prefill and decode on each)
+    # prefill-decode disaggregation (engine/disaggregation/): these many prefill and decode
+    # workers instead of unified ones; both at least 1, and fleet.workers left out (or 0)
+    prefill_workers: int = Field(0, ge=0)
+    decode_workers: int = Field(0, ge=0)
+    # engine options that differ per role, over the engine section (e.g. a decode worker's
+    # max_running_requests, a prefill worker's chunked_prefill_size)
+    prefill_engine: dict = Field(default_factory=dict)
+    decode_engine: dict = Field(default_factory=dict)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     health_check_interval_s: float = Field(1.0, gt=0)
     health_check_timeout_s: float = Field(10.0, gt=0)  # a ping that long unanswered: unhealthy
@@ -110,6 +118,47 @@ class FleetSection(BaseModel):
     # The controller outlives any one ingress replica; it stops the fleet once no ingress
     # replica has sent a heartbeat for this long (the app was deleted or redeployed).
     owner_timeout_s: float = Field(30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _roles(self) -> FleetSection:
+        p, d = self.prefill_workers, self.decode_workers
+        if not p and not d:
+            if self.workers < 1:
+                raise ValueError("fleet.workers must be at least 1 (or set fleet.prefill_workers "
+                                 "and fleet.decode_workers)")
+            if self.prefill_engine or self.decode_engine:
+                raise ValueError("fleet.prefill_engine / fleet.decode_engine apply only with "
+                                 "fleet.prefill_workers and fleet.decode_workers")
+            return self
+        if p < 1 or d < 1:
+            raise ValueError(f"prefill-decode disaggregation needs fleet.prefill_workers >= 1 and "
+                             f"fleet.decode_workers >= 1, got {p} and {d}")
+        if "workers" in self.model_fields_set and self.workers:
+            raise ValueError(f"fleet.workers={self.workers} (unified workers) cannot be mixed with "
+                             f"fleet.prefill_workers / fleet.decode_workers: leave fleet.workers "
+                             f"out or set it to 0")
+        self.workers = 0
+        for name, overrides in (("prefill_engine", self.prefill_engine),
+                                ("decode_engine", self.decode_engine)):
+            bad = sorted(set(overrides) - set(EngineSection.model_fields))
+            if bad or "disaggregation_mode" in overrides:
+                raise ValueError(f"fleet.{name}: unknown or fixed engine option(s) "
+                                 f"{bad or ['disaggregation_mode']}")
+        return self
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_workers > 0
+
+    def roles(self) -> list[str]:
+        """One role per worker slot, in worker index order."""
+        if self.disaggregated:
+            return ["prefill"] * self.prefill_workers + ["decode"] * self.decode_workers
+        return ["unified"] * self.workers
+
+    @property
+    def total_workers(self) -> int:
+        return len(self.roles())
 
 
 class _RouterBase(_DataclassSection):
@@ -170,6 +219,28 @@ class ServeConfig(BaseModel):
     def load(cls, path: str, overrides: dict | None = None) -> ServeConfig:
         """Read a YAML file, apply ``{"engine": {...}, "server": {...}}`` overrides, validate."""
         return cls.parse(merge(read_yaml_mapping(path), overrides or {}))
+
+    @model_validator(mode="after")
+    def _role_engines(self) -> ServeConfig:
+        if self.engine.disaggregation_mode is not None:
+            raise ValueError("engine.disaggregation_mode is set per worker by the fleet: use "
+                             "fleet.prefill_workers and fleet.decode_workers")
+        for role in ("prefill", "decode"):
+            if self.fleet.disaggregated:
+                try:
+                    EngineSection.model_validate(self.engine_options_for(role))
+                except ValidationError as exc:
+                    raise ValueError(f"fleet.{role}_engine: "
+                                     f"{format_validation_error(exc, role + '_engine')}") from None
+        return self
+
+    def engine_options_for(self, role: str) -> dict:
+        """The engine options of a worker of ``role`` (unified, prefill or decode)."""
+        opts = self.engine.engine_options()
+        if role != "unified":
+            opts.update(getattr(self.fleet, f"{role}_engine"))
+            opts["disaggregation_mode"] = role
+        return opts
 
     def worker_bundle(self) -> dict:
         """The resources one engine worker's placement bundle asks for ({} when none)."""

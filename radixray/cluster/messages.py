@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from radixray.engine.disaggregation.messages import KVLayout, PDBootstrap
 from radixray.engine.sampling import SamplingParams
 
 
@@ -22,6 +23,7 @@ class SubmitRequest:
     input_ids: list[int]
     sampling_params: SamplingParams
     priority: int | None = None
+    bootstrap: PDBootstrap | None = None  # prefill/decode workers: its room and peer
 
 
 @dataclass(slots=True)
@@ -43,6 +45,9 @@ class WorkerInfo:
     vocab_size: int
     max_total_tokens: int
     draining: bool
+    role: str = "unified"
+    kv_session: str | None = None  # prefill/decode: the KV transfer endpoint
+    kv_layout: KVLayout | None = None
 
 
 @dataclass(slots=True)
@@ -65,6 +70,8 @@ class WorkerLoad:
     inflight: int = 0  # requests of this worker's open channels not finished yet
     weight_version: int = 0
     memory_released: list[str] = field(default_factory=list)  # tags released now
+    role: str = "unified"
+    pd: dict | None = None  # prefill/decode: queues, failures, finished transfers (pd_metrics)
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -88,3 +95,5 @@ class FleetHealth:
     routable: int
     workers: dict[str, int] = field(default_factory=dict)  # state -> count
     errors: dict[str, str] = field(default_factory=dict)  # worker id -> its last error
+    # prefill-decode fleets: routable workers per role and the handshake (None: unified)
+    disaggregation: dict | None = None

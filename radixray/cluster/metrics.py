@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from radixray.cluster.messages import WorkerLoad
+from radixray.cluster.pd_metrics import side_snapshot
 from radixray.engine.messages import RequestUpdate
 
 PREFIX = "radixray:"
@@ -40,7 +41,8 @@ def scheduler_snapshot(scheduler) -> WorkerLoad:
         prefill_cached_tokens=st.prefill_cached_tokens,
         num_retracted_reqs=st.num_retracted_reqs, num_aborted_reqs=st.num_aborted_reqs,
         failed_steps=scheduler.faults.total, engine_failed=scheduler.faults.failed is not None,
-        paused=scheduler.paused)
+        paused=scheduler.paused,
+        pd=side_snapshot(scheduler.pd) if scheduler.pd is not None else None)
 
 
 class WorkerMetrics:
@@ -95,8 +97,11 @@ class WorkerMetrics:
         w = [self.worker_id]
         out: list[Metric] = list(self.registry.collect())
         for name, doc in (("num_running_reqs", "Requests in the running (decode) batch."),
-                          ("num_queue_reqs", "Requests waiting for admission."),
-                          ("token_usage", "Share of the KV pool in use (requests + cache)."),
+                          ("num_queue_reqs", "Requests waiting for admission.")):
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["worker", "role"])
+            g.add_metric(w + [snapshot.role], float(getattr(snapshot, name)))
+            out.append(g)
+        for name, doc in (("token_usage", "Share of the KV pool in use (requests + cache)."),
                           ("gen_throughput", "Decode tokens per second over the last log interval."),
                           ("engine_failed", "1 once the engine stopped serving after repeated "
                            "step faults (the controller then restarts the worker)."),

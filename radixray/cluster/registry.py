@@ -40,6 +40,8 @@ class WorkerRecord:
     healthy: bool = True  # False while pings time out (the worker may only be busy)
     load: WorkerLoad | None = None  # last answer of EngineWorker.load()
     error: str | None = None  # why it last died
+    kv_session: str | None = None  # prefill/decode: its KV transfer endpoint (host:port)
+    kv_layout: object | None = None  # prefill/decode: its KV pool layout (KVLayout)
 
     def set_state(self, state: str) -> None:
         if state not in STATES:
@@ -54,7 +56,7 @@ class WorkerRecord:
                 "weight_version": self.weight_version, "started_at": self.started_at,
                 "ready_at": self.ready_at, "last_ping_at": self.last_ping_at,
                 "healthy": self.healthy, "load": self.load.as_json() if self.load else {},
-                "error": self.error}
+                "error": self.error, "kv_session": self.kv_session}
 
 
 class Registry:

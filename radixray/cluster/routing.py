@@ -26,7 +26,7 @@ from radixray.cluster.prefix_tree import PrefixTree
 from radixray.engine import options
 from radixray.engine.options import option
 
-POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+POLICIES = ("cache_aware", "round_robin", "power_of_two", "random", "least_load")
 PolicyName = Literal[POLICIES]  # for pydantic schemas (config, admin endpoint)
 
 
@@ -74,7 +74,7 @@ class Decision:
     """The chosen worker and why.
 
     ``reason`` is one of "cache_match", "imbalance", "low_match" (cache_aware), "affinity",
-    "round_robin", "power_of_two", "random". ``match_rate`` is the best candidate's
+    "round_robin", "power_of_two", "random", "least_load". ``match_rate`` is the best candidate's
     matched chars / request chars, set by cache_aware policy decisions only.
     """
 
@@ -206,6 +206,8 @@ class Router:
             worker = later[0] if later else candidates[0]
             self._rr_last = worker
             return Decision(worker, "round_robin")
+        if policy == "least_load":
+            return Decision(self._least_loaded(candidates, self._load), "least_load")
         if policy == "power_of_two":
             if len(candidates) == 1:
                 return Decision(candidates[0], "power_of_two")

@@ -72,6 +72,21 @@ class EngineConfig:
                                  "the same tokens and logprobs whatever batch and prefill "
                                  "chunks it runs in (CPU, float32; slower prefill; a sampled "
                                  "request without a seed gets seed 42)")
+    disaggregation_mode: str | None = option(
+        None, "prefill or decode: this engine is one half of a prefill-decode pair (its "
+        "requests carry a bootstrap room and arrive through the router); None: it does both",
+        choices=(None, "prefill", "decode"))
+    disaggregation_bootstrap_timeout_s: float = option(
+        300.0, "prefill side: how long a request waits for its decode worker's KV "
+        "destination (the decode side may be waiting for free KV slots meanwhile)", gt=0.0)
+    disaggregation_waiting_timeout_s: float = option(
+        300.0, "decode side: how long a request with reserved KV slots waits for the prefill "
+        "worker's transfer (covers the prefill queue and the prefill itself)", gt=0.0)
+    disaggregation_transfer_protocol: str = option(
+        "tcp", "Mooncake transport between prefill and decode workers (rdma on clusters "
+        "with RDMA NICs)", choices=("tcp", "rdma"))
+    disaggregation_transfer_host: str = option(
+        "127.0.0.1", "address this engine's transfer engine listens on")
     check_kv_conservation: bool = option(False, "assert the KV slot invariant after every "
                                          "step (tests)")
     max_consecutive_failed_steps: int = option(3, "a fault in this many scheduler steps in a "

@@ -90,7 +90,10 @@ class Engine:
     raise :class:`EngineFailed` instead of waiting (see :meth:`health`).
     """
 
-    def __init__(self, model: str = "default", **options):
+    def __init__(self, model: str = "default", *, worker_id: str = "engine",
+                 kv_transport=None, **options):
+        """``worker_id`` names this engine to a disaggregated peer; ``kv_transport``
+        replaces the Mooncake transport of a prefill or decode engine (tests)."""
         self.config = EngineConfig.from_kwargs(model=model, **options)
         source = resolve_model(self.config.model)
         self.tokenizer = source.tokenizer
@@ -106,6 +109,11 @@ class Engine:
         self._failure_listeners: list = []
         self.scheduler.on_failed = self._on_failed
         self.memory = MemorySaver(self.runner, self.scheduler)
+        self.pd = None  # the prefill or decode half of a pair (engine/disaggregation/)
+        if self.config.disaggregation_mode is not None:
+            from radixray.engine.disaggregation.setup import PDLink
+            self.pd = PDLink(self.config.disaggregation_mode, worker_id, self.scheduler,
+                             self.runner.kv_pool, self.config, kv_transport)
         self.weights = WeightUpdater(self.runner, self.scheduler, self.memory)
         self._thread = threading.Thread(target=self._loop, name="radixray-scheduler", daemon=True)
         self._thread.start()
@@ -177,21 +185,24 @@ class Engine:
                 self.scheduler.submit(AbortCommand(req.rid))
 
     # ---- public API ------------------------------------------------------------------
-    def generate(self, prompt=None, sampling_params=None, input_ids=None, rid=None, priority=None):
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, rid=None, priority=None,
+                 bootstrap=None):
         """Run prompts to completion. One prompt -> a dict; a list of prompts -> a list of dicts.
 
         Each dict has ``text``, ``output_ids``, ``meta_info`` (see :class:`MetaInfo`)
         and, when requested, ``output_token_logprobs`` / ``output_top_logprobs``.
         Raises ValueError naming the bad field before anything is scheduled.
+        ``bootstrap``: on a prefill or decode engine, one PDBootstrap per prompt (or one).
         """
         reqs, is_batch = build_requests(prompt, input_ids, sampling_params, self.tokenizer,
                                         self.limits, rid, priority)
+        attach_bootstrap(reqs, bootstrap)
         subs = self._submit(reqs)
         for sub in subs:
             while not sub.done.wait(1.0):
                 self._raise_if_dead()
         for req in reqs:
-            _raise_if_engine_failed(req)
+            _raise_if_engine_failed(req, self.scheduler)
         results = [self._result(r) for r in reqs]
         return results if is_batch else results[0]
 
@@ -225,7 +236,7 @@ class Engine:
                 if update.logprobs is not None:
                     chunk["output_token_logprobs"] = update.logprobs
                 if finished:
-                    _raise_if_engine_failed(req)
+                    _raise_if_engine_failed(req, self.scheduler)
                     chunk["meta_info"] = update.meta.to_json()
                 yield chunk
         finally:
@@ -237,6 +248,15 @@ class Engine:
     def submit_to_channel(self, reqs: list[Req], channel: StepChannel) -> None:
         """Schedule already-validated requests whose output goes to ``channel`` (serving path)."""
         self._submit(reqs, [_Subscriber(channel=channel) for _ in reqs])
+
+    def warm_up(self, prompt: str) -> dict:
+        """One greedy token of ``prompt`` run here, whatever this engine's role."""
+        reqs, _ = build_requests(prompt, None, {"max_new_tokens": 1, "temperature": 0.0},
+                                 self.tokenizer, self.limits)
+        sub = self._submit(reqs, local=True)[0]
+        while not sub.done.wait(1.0):
+            self._raise_if_dead()
+        return self._result(reqs[0])
 
     def health(self) -> EngineHealth:
         """Whether the scheduler thread runs and the engine serves (thread-safe)."""
@@ -369,6 +389,8 @@ class Engine:
             # Nobody steps the scheduler any more: end what is left, so no caller waits forever.
             self.scheduler.abort_all("engine shut down")
         self.weights.close()
+        if self.pd is not None:
+            self.pd.close()
 
     def __enter__(self):
         return self
@@ -377,13 +399,19 @@ class Engine:
         self.shutdown()
 
     # ---- helpers ---------------------------------------------------------------------
-    def _submit(self, reqs: list[Req], subs: list[_Subscriber] | None = None) -> list[_Subscriber]:
+    def _submit(self, reqs: list[Req], subs: list[_Subscriber] | None = None,
+                local: bool = False) -> list[_Subscriber]:
         """Subscribe to each request's output and schedule it.
 
-        A rid still in use or a shut-down engine is an error, and nothing changes then.
+        A rid still in use, a shut-down engine, or (on a prefill or decode engine) a request
+        without a bootstrap room is an error, and nothing changes then. ``local``: run here
+        whatever the role (warm-up).
         """
         subs = subs or [_Subscriber() for _ in reqs]
         self._raise_if_dead()
+        if self.pd is not None and not local:
+            for req in reqs:
+                self.pd.check_request(req.pd)
         with self._lock:
             if self._stopping:
                 raise RuntimeError("the engine is shut down")
@@ -419,9 +447,24 @@ class Engine:
         return out
 
 
-def _raise_if_engine_failed(req: Req) -> None:
-    """A request ended because the whole engine failed: raise that (a batch fault is not
-    raised; it is the request's own result, finish reason ``error``)."""
+def attach_bootstrap(reqs: list[Req], bootstrap) -> None:
+    """Give each request its PDBootstrap (one for all, or a list with one per request)."""
+    if bootstrap is None:
+        return
+    items = bootstrap if isinstance(bootstrap, list) else [bootstrap] * len(reqs)
+    if len(items) != len(reqs):
+        raise ValueError(f"bootstrap: {len(items)} given for {len(reqs)} prompts")
+    if len({b.room for b in items}) != len(items):
+        raise ValueError("bootstrap: every prompt needs its own bootstrap room")
+    for req, b in zip(reqs, items):
+        req.pd = b
+
+
+def _raise_if_engine_failed(req: Req, scheduler: Scheduler) -> None:
+    """A request ended because the whole engine failed: raise that (a batch fault or a
+    failed disaggregated transfer is not raised; it is the request's own result, finish
+    reason ``error``)."""
     reason = req.finish_reason
-    if reason is not None and reason.type == "error" and reason.status == ENGINE_FAILED_STATUS:
+    if reason is not None and reason.type == "error" and reason.status == ENGINE_FAILED_STATUS \
+            and scheduler.faults.failed is not None:
         raise EngineFailed(reason.message)

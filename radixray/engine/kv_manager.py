@@ -169,7 +169,7 @@ class KVManager:
     def check_conservation(self, running: list[Req]) -> None:
         """Raise AssertionError unless free + request-held + cache-held == pool size."""
         free = self.allocator.available_size()
-        held = sum(r.owned_kv_len for r in running if r.req_row is not None)
+        held = sum(r.owned_kv_len + r.kv_reserved for r in running if r.req_row is not None)
         cached = self.cache.total_size()
         if free + held + cached != self.pool_size:
             raise AssertionError(

@@ -86,6 +86,9 @@ class Req:
     # [weight version, index of the first output token it produced], one per version the
     # request lived under (set at admission, extended by each weight update it lives through)
     weight_spans: list[list[int]] = field(default_factory=list)
+    # disaggregation: the bootstrap room and the pair's other worker (PDBootstrap) while the
+    # request is one half of a prefill-decode pair; None otherwise
+    pd: object | None = None
 
     def commit_kv(self, n: int) -> None:
         """The step's forward pass wrote KV for the next ``n`` (reserved) tokens."""

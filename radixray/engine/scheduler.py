@@ -92,6 +92,9 @@ class Scheduler:
         self.on_failed: Callable[[str], None] | None = None
         self._batch: list[Req] = []  # the requests of the step in flight
         self.paused: str | None = None  # the pause mode while generation is paused
+        # The prefill or decode half of a disaggregated pair (engine/disaggregation/), set by
+        # the engine; None for a unified engine.
+        self.pd = None
 
     # ---- ingest --------------------------------------------------------------------
     def submit(self, item) -> None:
@@ -121,7 +124,10 @@ class Scheduler:
                     seed = DETERMINISTIC_DEFAULT_SEED
                 if seed is not None:
                     req.generator = torch.Generator(self.runner.device).manual_seed(seed)
-            self.waiting.extend(item)
+                if req.pd is not None and self.pd is not None:
+                    self.pd.add(req)
+                else:
+                    self.waiting.append(req)
         elif isinstance(item, AbortCommand):
             self.abort(item.rid, "aborted by request")
         elif isinstance(item, CallInLoop):
@@ -129,6 +135,8 @@ class Scheduler:
                 item.future.set_result(item.fn(self))
             except Exception as exc:  # the caller sees it; the loop keeps serving
                 item.future.set_exception(exc)
+        elif self.pd is not None and self.pd.handles(item):
+            self.pd.on_message(item)
         else:
             raise TypeError(f"unknown scheduler command {item!r}")
 
@@ -145,6 +153,8 @@ class Scheduler:
         while not stop():
             try:
                 self._ingest(block_s=0.0 if self.has_work else 0.05)
+                if self.pd is not None:
+                    self.pd.poll(time.monotonic())
                 if self.has_work:
                     self.step()
             except Exception as exc:  # noqa: BLE001 - the loop must outlive any fault
@@ -203,7 +213,7 @@ class Scheduler:
         if first:
             self.faults.failed = reason
             logger.error("engine failed, refusing requests from now on: %s", reason)
-        held = self.waiting + self.running + ([self.chunked_req] if self.chunked_req else [])
+        held = self.held_requests()
         self._fail(held, f"the engine failed: {self.faults.failed}", ENGINE_FAILED_STATUS)
         if first and self.on_failed is not None:
             self.on_failed(reason)
@@ -222,7 +232,7 @@ class Scheduler:
                 self.waiting.remove(req)
             reason = FinishReason("error", message=message, status=status)
             try:
-                self._finish(req, reason)
+                self.finish(req, reason)
             except Exception:  # noqa: BLE001 - its KV is lost, but the request still ends
                 logger.exception("could not return the KV of failed request %s", req.rid)
                 req.finish_reason = reason
@@ -239,7 +249,26 @@ class Scheduler:
 
     def check_kv_conservation(self) -> None:
         holders = self.running + ([self.chunked_req] if self.chunked_req else [])
+        if self.pd is not None:
+            holders = holders + self.pd.holders()
         self.kv.check_conservation(holders)
+
+    def held_requests(self) -> list[Req]:
+        """Every unfinished request the scheduler holds (queued, prefilling, running, and
+        those of a disaggregated side's rooms)."""
+        reqs = self.waiting + self.running + ([self.chunked_req] if self.chunked_req else [])
+        if self.pd is not None:
+            reqs = reqs + [r for r in self.pd.unfinished() if r not in reqs]
+        return reqs
+
+    def unschedule(self, req: Req) -> None:
+        """Take ``req`` out of the waiting queue, the chunked slot and the running batch
+        (keeping its KV: its owner releases it)."""
+        if req is self.chunked_req:
+            self.chunked_req = None
+        for group in (self.waiting, self.running):
+            if req in group:
+                group.remove(req)
 
     # ---- prefill -------------------------------------------------------------------
     def _build_prefill(self) -> list[tuple[Req, int, torch.Tensor]]:
@@ -341,6 +370,8 @@ class Scheduler:
             if req.kv_len < req.seq_len:
                 self.kv.cache_unfinished(req)
                 self.chunked_req = req
+                if req.pd is not None and self.pd is not None:
+                    self.pd.after_chunk(req)
                 continue
             done_rows.append(i)
             done_reqs.append(req)
@@ -387,7 +418,7 @@ class Scheduler:
             retracted.append(victim)
         if order and self.kv.available_tokens() < len(order):
             # Even alone the last request cannot grow: abort instead of retrying forever.
-            self._finish(order[0], FinishReason("abort", message=OOM_ABORT_MESSAGE))
+            self.finish(order[0], FinishReason("abort", message=OOM_ABORT_MESSAGE))
             self.on_output([order[0]])
         old = self.ratio.value
         self.ratio.reset_after_retraction(self.running)
@@ -429,7 +460,7 @@ class Scheduler:
         now = time.perf_counter()
         zero_budget = [r for r in reqs if r.remaining_new_tokens == 0]
         for r in zero_budget:
-            self._finish(r, FinishReason("length", length=len(r.output_ids)))
+            self.finish(r, FinishReason("length", length=len(r.output_ids)))
         if zero_budget:
             keep = [i for i, r in enumerate(reqs) if not r.finished]
             logits, reqs = logits[keep], [reqs[i] for i in keep]
@@ -440,7 +471,7 @@ class Scheduler:
             for i, (req, token) in enumerate(zip(reqs, out.token_ids)):
                 if i in errors:
                     logger.warning("request %s failed: %s", req.rid, errors[i])
-                    self._finish(req, FinishReason("error", message=errors[i],
+                    self.finish(req, FinishReason("error", message=errors[i],
                                                    status=BATCH_FAULT_STATUS))
                     continue
                 req.output_ids.append(token)
@@ -450,9 +481,14 @@ class Scheduler:
                     req.output_logprobs.append(out.logprobs[i])
                     if out.top_logprobs is not None:
                         req.output_top_logprobs.append(out.top_logprobs[i])
+                if prefill and req.pd is not None and self.pd is not None:
+                    # Prefill half of a pair: the decode worker checks stops and decodes.
+                    self.kv.cache_unfinished(req)
+                    self.pd.prefilled(req)
+                    continue
                 reason = self.stop_checker.check(req, self.runner.context_len)
                 if reason is not None:
-                    self._finish(req, reason)
+                    self.finish(req, reason)
                 elif prefill:
                     # Share the prompt's KV through the tree now, not when the request
                     # ends, so requests arriving meanwhile with the same prefix hit it.
@@ -464,10 +500,14 @@ class Scheduler:
         self.max_running_seen = max(self.max_running_seen, len(self.running))
         self.on_output(zero_budget + reqs)
 
-    def _finish(self, req: Req, reason: FinishReason) -> None:
+    def finish(self, req: Req, reason: FinishReason, release: bool = True) -> None:
+        """End ``req`` with ``reason``; its KV returns to the pool or cache unless
+        ``release`` is False (a disaggregated request whose slots a peer may still touch:
+        its side releases them later)."""
         req.finish_reason = reason
         req.finish_time = time.perf_counter()
-        self.kv.release(req)
+        if release:
+            self.kv.release(req)
         if reason.type == "abort":
             self.stats.num_aborted_reqs += 1
         self.stats.num_finished_reqs += 1
@@ -478,23 +518,24 @@ class Scheduler:
     def abort_all(self, message: str) -> None:
         """Abort every request, queued in the inbox ones included (the loop is not running)."""
         self._ingest()
-        reqs = self.waiting + self.running + ([self.chunked_req] if self.chunked_req else [])
-        for req in reqs:
+        for req in self.held_requests():
             self.abort(req.rid, message)
 
     def abort(self, rid: str, message: str) -> bool:
         """Abort a waiting, prefilling or running request; its KV returns to the pool or cache."""
+        if self.pd is not None and self.pd.abort(rid, message):
+            return True
         for group in (self.waiting, self.running):
             for req in group:
                 if req.rid == rid:
                     if group is self.waiting:
                         self.waiting.remove(req)
-                    self._finish(req, FinishReason("abort", message=message))
+                    self.finish(req, FinishReason("abort", message=message))
                     self.on_output([req])
                     return True
         if self.chunked_req is not None and self.chunked_req.rid == rid:
             req, self.chunked_req = self.chunked_req, None
-            self._finish(req, FinishReason("abort", message=message))
+            self.finish(req, FinishReason("abort", message=message))
             self.on_output([req])
             return True
         return False

@@ -115,7 +115,9 @@ class Ingress:
                          min(5.0, self.cfg.fleet.owner_timeout_s / 4))
         info = ray.get(self.controller.start.remote())  # waits for the workers to load
         tokenizer = resolve_model(info.model).tokenizer
-        dispatcher = Dispatcher(self.controller, find_router(self.cfg),
+        from radixray.serve.pd_dispatch import PDDispatcher
+        dispatcher_class = PDDispatcher if self.cfg.fleet.disaggregated else Dispatcher
+        dispatcher = dispatcher_class(self.controller, find_router(self.cfg),
                                 self.cfg.router.retry_max_attempts, self.cfg.router.retry_backoff_s)
         self.fe = Frontend(tokenizer, info, self.cfg.server.served_model_name, dispatcher,
                            enable_cache_report=self.cfg.server.enable_cache_report)
@@ -165,6 +167,12 @@ class Ingress:
             return JSONResponse({"status": "unavailable",
                                  "detail": "no engine worker takes requests",
                                  "workers": h.workers, "errors": h.errors}, status_code=503)
+        pd = h.disaggregation
+        if pd is not None and not pd["ready"]:
+            return JSONResponse({"status": "unavailable", "detail": (
+                "prefill-decode: needs a routable prefill worker, a routable decode worker and "
+                "a successful bootstrap handshake between them"), "disaggregation": pd,
+                "workers": h.workers, "errors": h.errors}, status_code=503)
         return None
 
     # ---- APIs -----------------------------------------------------------------------

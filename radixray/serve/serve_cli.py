@@ -28,6 +28,7 @@ _FLAG_FIELDS = {
     "ingress_replicas": ("server", "ingress_replicas"), "ingress": ("server", "ingress"),
     "log_level": ("server", "log_level"),
     "workers": ("fleet", "workers"), "router_policy": ("router", "policy"),
+    "prefill_workers": ("fleet", "prefill_workers"), "decode_workers": ("fleet", "decode_workers"),
 }
 
 
@@ -46,6 +47,10 @@ def add_parser(sub) -> None:
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--workers", type=int, help="engine workers (default 1), each with its own "
                    "model copy and KV pool")
+    p.add_argument("--prefill-workers", type=int, help="prefill-decode disaggregation: this "
+                   "many prefill workers (with --decode-workers; instead of --workers)")
+    p.add_argument("--decode-workers", type=int, help="prefill-decode disaggregation: this "
+                   "many decode workers; the KV moves between them over Mooncake (TCP)")
     p.add_argument("--router-policy",
                    choices=POLICIES,
                    help="how requests are spread over the workers (default cache_aware)")

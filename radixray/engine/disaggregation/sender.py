@@ -1,0 +1,143 @@
+"""The prefill engine's KV sender: a thread that performs the queued writes in order.
+
+The scheduler queues one :class:`WriteJob` per finished prefill chunk (and the last one
+carries the room's :class:`KVArrival`), then a :class:`Fence` when it gives up on a room.
+Jobs run first in, first out, so when the sender reports a room's
+:class:`TransferOutcome` no write of that room is pending and its KV slots may be freed.
+The scheduler never waits for the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from radixray.engine.disaggregation.layout import copy_spans
+from radixray.engine.disaggregation.messages import (
+    KVArrival,
+    KVDestination,
+    KVLayout,
+    TransferOutcome,
+)
+
+logger = logging.getLogger("radixray.pd")
+
+
+@dataclass(slots=True)
+class WriteJob:
+    """Write the KV of ``src_slots`` (this pool) into ``dst_slots`` of ``dest``; ``arrival``
+    (the last job of a room) goes to the decode worker once everything landed."""
+
+    dest: KVDestination
+    src_slots: torch.Tensor
+    dst_slots: torch.Tensor
+    arrival: KVArrival | None = None
+
+
+@dataclass(slots=True)
+class Fence:
+    """The scheduler gave up on ``room``: report its outcome (failed, ``reason``) once every
+    earlier job ran, skipping the room's writes still queued."""
+
+    room: int
+    reason: str
+    decode_worker: str | None = None  # told of the failure unless a write failure already did
+
+
+@dataclass
+class _RoomProgress:
+    bytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+
+class KVSender:
+    """``transport.write(session, src, dst, lengths)`` in a thread; ``report(outcome)``
+    hands outcomes to the scheduler; ``notify(worker, message)`` sends to the decode side.
+
+    Per room: the decode worker gets exactly one :class:`KVArrival` (success with the
+    first token, or the failure); the scheduler gets one final :class:`TransferOutcome`
+    at the room's last job or fence, and before it one early, non-final failure when a
+    write fails mid-prefill (so it stops prefilling and queues the fence).
+    ``fault_hook(job)``, when set (tests), runs before each write.
+    """
+
+    def __init__(self, transport, layout: KVLayout, worker_id: str,
+                 report: Callable[[TransferOutcome], None],
+                 notify: Callable[[str, object], None]):
+        self.transport, self.layout, self.worker_id = transport, layout, worker_id
+        self.report, self.notify = report, notify
+        self.fault_hook: Callable[[WriteJob], None] | None = None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._rooms: dict[int, _RoomProgress] = {}
+        self.pending = 0  # jobs queued or running (read by the scheduler for gauges)
+        self._thread = threading.Thread(target=self._run, name="radixray-kv-sender", daemon=True)
+        self._thread.start()
+
+    def put(self, job: WriteJob | Fence) -> None:
+        self.pending += 1
+        self._queue.put(job)
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                if isinstance(job, Fence):
+                    self._end(job.room, None, job.reason, job.decode_worker)
+                else:
+                    self._write(job)
+            except Exception:  # noqa: BLE001 - the thread must outlive any one job
+                logger.exception("KV sender job failed unexpectedly")
+            finally:
+                self.pending -= 1
+
+    def _write(self, job: WriteJob) -> None:
+        room = job.dest.room
+        progress = self._rooms.setdefault(room, _RoomProgress())
+        if progress.error is None:
+            t0 = time.perf_counter()
+            try:
+                if self.fault_hook is not None:
+                    self.fault_hook(job)
+                src, dst, lengths = copy_spans(self.layout, job.src_slots, job.dest.layout,
+                                               job.dst_slots)
+                self.transport.write(job.dest.session, src, dst, lengths)
+                progress.bytes += sum(lengths)
+            except Exception as exc:  # noqa: BLE001 - a failure fails the room, not the thread
+                progress.error = f"KV transfer to {job.dest.decode_worker} failed: {exc}"
+                logger.warning("room %d: %s", room, progress.error)
+                self.notify(job.dest.decode_worker,
+                            KVArrival(room, self.worker_id, False, progress.error))
+                if job.arrival is None:
+                    self.report(TransferOutcome(room, False, progress.error, progress.bytes,
+                                                progress.seconds, final=False))
+            progress.seconds += time.perf_counter() - t0
+        if job.arrival is not None:
+            self._end(room, job.arrival, None, job.dest.decode_worker)
+
+    def _end(self, room: int, arrival: KVArrival | None, reason: str | None,
+             decode_worker: str | None) -> None:
+        """The room's last job (``arrival``) or fence (``reason``) ran: tell the decode
+        worker (unless a failure already did) and the scheduler."""
+        progress = self._rooms.pop(room, _RoomProgress())
+        error = progress.error or reason
+        if progress.error is None and decode_worker is not None:
+            if arrival is not None and error is None:
+                arrival.bytes, arrival.seconds = progress.bytes, progress.seconds
+                self.notify(decode_worker, arrival)
+            else:
+                self.notify(decode_worker, KVArrival(room, self.worker_id, False, error))
+        self.report(TransferOutcome(room, error is None, error, progress.bytes,
+                                    progress.seconds, final=True,
+                                    write_failed=progress.error is not None))

@@ -1,0 +1,128 @@
+"""Make an engine one half of a prefill-decode pair: start its transport, register its KV
+pool, create its side (:class:`PrefillSide` with a :class:`KVSender`, or
+:class:`DecodeSide`) and give it to the scheduler."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from radixray.engine.disaggregation.decode import DecodeSide
+from radixray.engine.disaggregation.layout import pool_layout
+from radixray.engine.disaggregation.messages import (
+    CancelRoom,
+    KVDestination,
+    KVLayout,
+    PDBootstrap,
+    PeerGone,
+)
+from radixray.engine.disaggregation.prefill import PrefillSide
+from radixray.engine.disaggregation.sender import KVSender
+
+logger = logging.getLogger("radixray.pd")
+
+DIRECT_REQUEST_ERROR = (
+    "this engine is the {mode} half of a prefill-decode pair: requests need a bootstrap room "
+    "and arrive through the router. Do not send requests directly to prefill or decode "
+    "workers; send them to the serving endpoint (radixray serve --prefill-workers P "
+    "--decode-workers D) instead")
+
+
+class PDLink:
+    """One engine's disaggregation state: transport, layout, side and outbox.
+
+    ``outbox(worker_id, message)`` delivers a message to another worker's engine; set it
+    with :meth:`set_outbox` before requests arrive. It is called from the scheduler and
+    sender threads and must not block. A message it cannot deliver is answered locally
+    (``PeerGone``) when a room waits on it.
+    """
+
+    def __init__(self, mode: str, worker_id: str, scheduler, kv_pool, config, transport=None):
+        from radixray.engine.disaggregation.mooncake import MooncakeTransport
+        self.mode, self.worker_id, self.scheduler = mode, worker_id, scheduler
+        self.transport = transport or MooncakeTransport(config.disaggregation_transfer_host,
+                                                        config.disaggregation_transfer_protocol)
+        for buf in kv_pool.k_buffers + kv_pool.v_buffers:
+            self.transport.register(buf.data_ptr(), buf.numel() * buf.element_size())
+        self.layout: KVLayout = pool_layout(kv_pool.k_buffers, kv_pool.v_buffers)
+        self._outbox: Callable[[str, object], None] | None = None
+        self.sender: KVSender | None = None
+        self.stalled: threading.Event | None = None  # set while a test stall holds the sender
+        if mode == "prefill":
+            self.sender = KVSender(self.transport, self.layout, worker_id, scheduler.submit,
+                                   self.send)
+            self.side = PrefillSide(scheduler, self.sender, self.send, worker_id,
+                                    config.disaggregation_bootstrap_timeout_s)
+        elif mode == "decode":
+            self.side = DecodeSide(scheduler, self.transport.session, self.layout, self.send,
+                                   worker_id, config.disaggregation_waiting_timeout_s)
+        else:
+            raise ValueError(f"disaggregation_mode must be 'prefill' or 'decode', got {mode!r}")
+        scheduler.pd = self.side
+        logger.info("%s worker %s: KV transfer endpoint %s (%s), %d layers x %d bytes per slot",
+                    mode, worker_id, self.transport.session, self.transport.protocol,
+                    self.layout.num_layers, self.layout.slot_bytes)
+
+    @property
+    def session(self) -> str:
+        return self.transport.session
+
+    def set_outbox(self, outbox: Callable[[str, object], None]) -> None:
+        self._outbox = outbox
+
+    def send(self, worker_id: str, message) -> None:
+        if self._outbox is None:
+            self.undeliverable(message, "no outbox is connected (the engine is not in a fleet)")
+            return
+        self._outbox(worker_id, message)
+
+    def undeliverable(self, message, error: str) -> None:
+        """``message`` never reached its worker: a room waiting on the answer fails now."""
+        if isinstance(message, (KVDestination, CancelRoom)) and self.mode == "decode":
+            self.scheduler.submit(PeerGone(message.room, f"unreachable: {error}"))
+        else:
+            logger.warning("%s for room %d not delivered: %s", type(message).__name__,
+                           message.room, error)
+
+    def deliver(self, message) -> None:
+        """A message from the pair's other worker (any thread)."""
+        self.scheduler.submit(message)
+
+    def probe(self, session: str, layout: KVLayout) -> float:
+        """Write this pool's padding slot 0 into the peer's slot 0, every layer (a slot never
+        read unmasked): proves transport, registration and layout. Returns the seconds."""
+        import torch
+
+        from radixray.engine.disaggregation.layout import copy_spans
+        error = self.layout.mismatch(layout)
+        if error is not None:
+            raise ValueError(error)
+        zero = torch.zeros(1, dtype=torch.int64)
+        t0 = time.perf_counter()
+        self.transport.write(session, *copy_spans(self.layout, zero, layout, zero))
+        return time.perf_counter() - t0
+
+    def stall_next_final_write(self, seconds: float) -> None:
+        """Test hook: the sender sleeps ``seconds`` before the next room's last write."""
+        if self.sender is None:
+            raise ValueError("only a prefill engine sends KV")
+        self.stalled = stalled = threading.Event()
+
+        def hook(job) -> None:
+            if job.arrival is not None and self.sender.fault_hook is hook:
+                self.sender.fault_hook = None
+                stalled.set()
+                time.sleep(seconds)
+                stalled.clear()
+        self.sender.fault_hook = hook
+
+    def check_request(self, pd: PDBootstrap | None) -> None:
+        if pd is None:
+            raise ValueError(DIRECT_REQUEST_ERROR.format(mode=self.mode))
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        self.transport.close()

@@ -1,0 +1,88 @@
+"""Prefill-decode pieces without engines: config roles, pair routing, copy spans."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixray.cluster.config import ConfigError, ServeConfig
+from radixray.engine.disaggregation.layout import copy_spans, slot_runs
+from radixray.engine.disaggregation.messages import KVLayout, PDBootstrap
+
+
+def test_roles_from_config():
+    cfg = ServeConfig.parse({"fleet": {"prefill_workers": 2, "decode_workers": 1,
+                                       "decode_engine": {"max_running_requests": 8}}})
+    assert cfg.fleet.roles() == ["prefill", "prefill", "decode"]
+    assert cfg.fleet.workers == 0
+    assert cfg.engine_options_for("decode")["max_running_requests"] == 8
+    assert cfg.engine_options_for("decode")["disaggregation_mode"] == "decode"
+    assert cfg.engine_options_for("prefill")["max_running_requests"] is None
+    assert ServeConfig.parse({}).fleet.roles() == ["unified"]
+
+
+@pytest.mark.parametrize("fleet, words", [
+    ({"workers": 2, "prefill_workers": 1, "decode_workers": 1}, "cannot be mixed"),
+    ({"prefill_workers": 1}, "fleet.decode_workers >= 1"),
+    ({"prefill_workers": 1, "decode_workers": 1, "decode_engine": {"nope": 1}}, "nope"),
+    ({"prefill_workers": 1, "decode_workers": 1, "prefill_engine": {"max_total_tokens": 1}},
+     "prefill_engine"),
+    ({"workers": 2, "decode_engine": {"max_total_tokens": 64}}, "apply only with"),
+])
+def test_bad_role_config_names_the_field(fleet, words):
+    with pytest.raises(ConfigError, match=words):
+        ServeConfig.parse({"fleet": fleet})
+
+
+def test_disaggregation_mode_is_not_a_fleet_engine_option():
+    with pytest.raises(ConfigError, match="fleet.prefill_workers"):
+        ServeConfig.parse({"engine": {"disaggregation_mode": "prefill"}})
+
+
+def test_pair_routing_prefers_cached_prefill_and_least_loaded_decode():
+    import asyncio
+
+    from radixray.actors.router import RouterActor
+    from radixray.cluster.routing import NoWorkerAvailable, RouterSettings
+
+    async def run():
+        r = RouterActor(RouterSettings())
+        await r.set_workers(["w0", "w1", "w2", "w3"], {"w0": "prefill", "w1": "prefill",
+                                                       "w2": "decode", "w3": "decode"})
+        p1, d1, _ = await r.pick_pair("a long shared prefix " * 4 + "one")
+        p2, d2, reason = await r.pick_pair("a long shared prefix " * 4 + "two")
+        assert p1 == p2 and reason == "cache_match"  # the prefill worker that saw it
+        assert {d1, d2} == {"w2", "w3"}  # least load spreads decodes
+        await r.release(d1, True)
+        _, d3, _ = await r.pick_pair("x", exclude=[p1])
+        assert d3 == d1
+        with pytest.raises(NoWorkerAvailable, match="no decode worker"):
+            await r.pick_pair("y", exclude=["w2", "w3"])
+        state = await r.state()
+        assert state["decode"]["policy"] == "least_load" and sum(state["pairs"].values()) == 3
+    asyncio.run(run())
+
+
+def test_slot_runs_group_contiguous_both_sides():
+    src = torch.tensor([5, 6, 7, 9, 10, 20])
+    dst = torch.tensor([1, 2, 3, 4, 5, 6])
+    s0, d0, n = slot_runs(src, dst)
+    assert s0.tolist() == [5, 9, 20] and d0.tolist() == [1, 4, 6] and n.tolist() == [3, 2, 1]
+    with pytest.raises(ValueError, match="destination slots"):
+        slot_runs(src, dst[:2])
+
+
+def test_copy_spans_cover_every_layer_key_and_value():
+    a = KVLayout((1000, 2000), (3000, 4000), 16, "float32")
+    b = KVLayout((10_000, 20_000), (30_000, 40_000), 16, "float32")
+    src, dst, lengths = copy_spans(a, torch.tensor([2, 3]), b, torch.tensor([7, 8]))
+    assert src == [1032, 2032, 3032, 4032] and dst == [10_112, 20_112, 30_112, 40_112]
+    assert lengths == [32] * 4
+    assert a.mismatch(KVLayout((1,), (2,), 16, "float32")) is not None
+
+
+def test_bootstrap_room_bounds():
+    PDBootstrap(2**63 - 1, "w")
+    for bad in (-1, 2**63, "7", True):
+        with pytest.raises(ValueError, match="bootstrap_room"):
+            PDBootstrap(bad, "w")
