@@ -222,8 +222,8 @@ class Controller:
             if rec not in live:  # died during start-up
                 changed = True
                 self._spawn(self._replace(rec))
-        if changed:
-            await self._publish()
+        if changed or (self.cfg.fleet.disaggregated and not self.pd.ready_in(self.registry)):
+            await self._publish()  # a disaggregated fleet also retries its handshake
         await asyncio.gather(*(self._refresh_load(r) for r in self.registry.live()))
 
     async def _watch(self, rec: WorkerRecord, generation: int) -> None:

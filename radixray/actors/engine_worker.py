@@ -284,6 +284,7 @@ class EngineWorker:
 
     # ---- RL control: memory and weights (engine/memory_saver.py, engine/weight_session.py)
     async def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        self.engine.check_memory_release(tags)
         return await self._in_loop(lambda s: self.engine.memory.release(tags))
 
     async def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:

@@ -15,7 +15,7 @@ import random
 import sys
 from dataclasses import dataclass, field
 
-DATASETS = ("random", "shared-prefix", "multi-turn")
+DATASETS = ("random", "shared-prefix", "multi-turn", "interference")
 _FIT_ATTEMPTS = 12
 
 
@@ -167,6 +167,28 @@ def build_multi_turn(tokenizer, users: int, turns: int, turn_len: int, output_le
     return items
 
 
+def build_interference(tokenizer, num_short: int, short_len: int, short_output_len: int,
+                       num_long: int, long_len: int, long_output_len: int,
+                       seed: int = 1) -> list[Conversation]:
+    """Short chats with long prompts spread evenly among them (the long ones at every
+    ``(num_short + num_long) // num_long``-th place, first one a quarter of a period in):
+    what a long prompt's prefill does to the streams decoding beside it. ``group`` is 1
+    for a long prompt, 0 for a short chat."""
+    rng = random.Random(seed)
+    sampler = sampler_for(tokenizer)
+    total = num_short + num_long
+    period = total // max(num_long, 1)
+    long_at = {period // 4 + k * period for k in range(num_long)}
+    items = []
+    for i in range(total):
+        long = i in long_at
+        text, real = sampler.random_text(long_len if long else short_len, rng)
+        items.append(Conversation(index=i, turns=[text], prompt_len=real, turn_lens=[real],
+                                  output_len=long_output_len if long else short_output_len,
+                                  group=int(long)))
+    return items
+
+
 def add_dataset_args(p: argparse.ArgumentParser) -> None:
     """The ``--dataset`` flag and each dataset's own flags."""
     p.add_argument("--dataset", default="random", choices=DATASETS)
@@ -193,6 +215,13 @@ def add_dataset_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--multiturn-think-time", type=float, default=0.0,
                    help="mean seconds a user waits between a reply and the next turn "
                    "(exponential, seeded; 0 = send at once)")
+    g = p.add_argument_group("interference dataset (long prompts among short chats)")
+    g.add_argument("--interference-short", type=int, default=32, help="short chats")
+    g.add_argument("--interference-short-len", type=int, default=64)
+    g.add_argument("--interference-short-output-len", type=int, default=128)
+    g.add_argument("--interference-long", type=int, default=4, help="long prompts")
+    g.add_argument("--interference-long-len", type=int, default=2048)
+    g.add_argument("--interference-long-output-len", type=int, default=8)
 
 
 def build_from_args(args: argparse.Namespace, tokenizer) -> list[Conversation]:
@@ -211,6 +240,11 @@ def build_from_args(args: argparse.Namespace, tokenizer) -> list[Conversation]:
         return build_multi_turn(tokenizer, args.multiturn_users, args.multiturn_turns,
                                 args.multiturn_turn_len, args.multiturn_output_len, args.seed,
                                 args.multiturn_think_time)
+    if args.dataset == "interference":
+        return build_interference(tokenizer, args.interference_short, args.interference_short_len,
+                                  args.interference_short_output_len, args.interference_long,
+                                  args.interference_long_len, args.interference_long_output_len,
+                                  args.seed)
     raise ValueError(f"--dataset: unknown dataset {args.dataset!r}")
 
 

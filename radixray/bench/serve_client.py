@@ -357,6 +357,11 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         print("error: --sweep-num-prompts needs one count per --sweep value", file=sys.stderr)
         return 2
     slo = dict(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+    loopback = None
+    if args.loopback_tcp:
+        from radixray.bench.loopback import tcp_loopback_rate
+        loopback = tcp_loopback_rate()
+        print(f"loopback TCP rate: {loopback / 1e9:.2f} GB/s", flush=True)
     summaries = []
     sink = open(args.output_jsonl, "w") if args.output_jsonl else contextlib.nullcontext()
     with sink as jsonl:
@@ -385,6 +390,11 @@ def run_serve_bench(args: argparse.Namespace) -> int:
                 summary = summarize(records, duration, label=label, request_rate=args.request_rate,
                                     max_concurrency=conc, **slo)
                 summary.update(server_side.run_delta(before, server_side.scrape(url)))
+                if args.dataset == "interference":
+                    from radixray.bench import interference
+                    summary.update(interference.class_stats(
+                        records, {it.index: it.group for it in items}))
+                    summary.update(interference.transfer_fields(summary, loopback))
                 if policy is not None:
                     summary["router_policy"] = policy
                 summaries.append(summary)
@@ -392,7 +402,10 @@ def run_serve_bench(args: argparse.Namespace) -> int:
                 if jsonl:
                     jsonl.writelines(json.dumps(r.to_json()) + "\n" for r in records)
                     jsonl.flush()
-    if len(summaries) > 1:
+    if args.dataset == "interference":
+        from radixray.bench.interference import format_table
+        print(format_table(summaries))
+    elif len(summaries) > 1:
         print(format_sweep_table(summaries))
     if args.sweep:
         from radixray.bench.sweep_plot import plot_sweep
@@ -443,6 +456,8 @@ def add_parser(bench_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--session-header", action=argparse.BooleanOptionalAction, default=True,
                    help="multi-turn: send X-Session-Id with each turn")
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--loopback-tcp", action="store_true", help="measure this machine's loopback "
+                   "TCP rate first, and report KV transfer rates as a share of it")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=run_serve_bench)
     return p

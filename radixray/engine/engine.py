@@ -305,7 +305,16 @@ class Engine:
     def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
         """Give back the memory of ``tags`` (``kv_cache``, ``weights``; None: both) while
         generation is paused (see engine/memory_saver.py); returns what was freed."""
+        self.check_memory_release(tags)
         return self.call_in_loop(lambda s: self.memory.release(tags), timeout=600)
+
+    def check_memory_release(self, tags: list[str] | None) -> None:
+        """ValueError when ``tags`` cannot be released here: a prefill or decode engine's KV
+        pool is registered with its transfer engine, and peers write into it by address."""
+        if self.pd is not None and (tags is None or "kv_cache" in tags):
+            raise ValueError(f"release_memory_occupation: the KV pool of a "
+                             f"{self.pd.mode} worker is registered for KV transfer and cannot "
+                             f"be released; release tags=['weights'] only")
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
         """Take back the memory of released ``tags`` (None: every released tag)."""

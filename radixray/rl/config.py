@@ -84,10 +84,14 @@ class GRPOConfig(BaseModel):
             raise ConfigError("deterministic: true needs a deterministic fleet, but "
                               "fleet.engine.deterministic is false: drop it or set it true")
         try:
-            return ServeConfig.parse(data)
+            cfg = ServeConfig.parse(data)
         except ConfigError as exc:
             raise ConfigError(str(exc).replace("invalid config: ", "invalid fleet section: ")) \
                 from None
+        if cfg.fleet.disaggregated:
+            raise ConfigError("fleet.fleet.prefill_workers: GRPO rollouts run on unified "
+                              "workers; set fleet.fleet.workers instead")
+        return cfg
 
     @classmethod
     def parse(cls, data: dict | None) -> GRPOConfig:

@@ -32,7 +32,10 @@ FIELDS = ("step", "reward_mean", "reward_std", "logprob_abs_diff_max", "logprob_
      "deterministic: true needs a deterministic fleet"),
     ({"deterministic": True, "fleet": {"engine": {"quantization": "w8a8_int8"}}},
      "invalid fleet section: engine: Value error, deterministic=true needs quantization"),
-    ({"fleet": {"fleet": {"workers": 0}}}, "invalid fleet section: fleet.workers"),
+    ({"fleet": {"fleet": {"workers": 0}}},
+     "invalid fleet section: fleet: Value error, fleet.workers must be at least 1"),
+    ({"fleet": {"fleet": {"prefill_workers": 1, "decode_workers": 1}}},
+     "fleet.fleet.prefill_workers: GRPO rollouts run on unified workers"),
 ])
 def test_bad_configs_name_the_field(data, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):

@@ -106,6 +106,9 @@ def test_every_engine_option_is_a_flag_of_serve_and_generate(f, kind):
     if extra:  # a cuda device needs a GPU per worker: checked across sections
         with pytest.raises(ConfigError, match="worker_num_gpus"):
             config_from_args(serve)
+    elif f.name == "disaggregation_mode":  # set per worker by the fleet's roles
+        with pytest.raises(ConfigError, match="fleet.prefill_workers and fleet.decode_workers"):
+            config_from_args(serve)
     else:
         assert getattr(config_from_args(serve).engine, f.name) == value
     assert getattr(_parser("serve").parse_args(["serve"]), f.name) is None  # YAML decides

@@ -138,3 +138,12 @@ def test_reused_room_and_missing_destination(tiny_llama_dir):
         pair.check_kv()
     finally:
         pair.close()
+
+
+def test_kv_pool_of_a_pd_engine_cannot_be_released(pair):
+    pair.d.pause_generation("retract")
+    try:
+        with pytest.raises(ValueError, match="registered for KV transfer"):
+            pair.d.release_memory_occupation(["kv_cache"])
+    finally:
+        pair.d.continue_generation()
