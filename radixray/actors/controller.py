@@ -120,7 +120,8 @@ class Controller:
         rec.handle = worker_actor_class().options(**options).remote(
             self.cfg.engine_options_for(rec.role), rec.worker_id, s.warmup, s.log_level,
             cores_shared_by=self._workers_per_node(), niceness=s.worker_niceness,
-            fleet=ray.get_runtime_context().current_actor if rec.role != "unified" else None)
+            fleet=ray.get_runtime_context().current_actor if rec.role != "unified" else None,
+            compute_nice_offset=s.pd_compute_nice_offset)
         rec.set_state("starting")
         rec.weight_version = 0
         rec.started_at = time.time()

@@ -45,12 +45,14 @@ class EngineWorker:
 
     def __init__(self, engine_options: dict, worker_id: str = "worker-0", warmup: bool = True,
                  log_level: str = "INFO", cores_shared_by: int = 1, niceness: int | None = 0,
-                 fleet=None):
+                 fleet=None, compute_nice_offset: int = 0):
         """``cores_shared_by``: how many workers share this node's cores; without an explicit
         ``num_threads`` each gets an equal share (at least one thread). ``niceness``: what
         this process's threads are set to before the engine starts (see actors/niceness.py;
         None keeps Ray's). ``fleet``: the controller's handle, through which a prefill or
-        decode worker finds the other worker of each pair."""
+        decode worker finds the other worker of each pair. ``compute_nice_offset``: a
+        prefill or decode worker runs its forward passes this much nicer than its other
+        threads, so the KV transfer's threads get a busy core when they need it."""
         logging.basicConfig(level=log_level.upper(), format="[%(asctime)s] %(message)s",
                             datefmt="%Y-%m-%d %H:%M:%S")
         if niceness is not None:
@@ -72,6 +74,8 @@ class EngineWorker:
             self.engine.pd.set_outbox(self._outbox)
         if niceness is not None:
             self._set_niceness(niceness)  # threads the engine started meanwhile
+        if self.engine.pd is not None and compute_nice_offset:
+            self._lower_compute_priority(compute_nice_offset)
         self.metrics = WorkerMetrics(worker_id)
         self.pd_metrics = None
         if self.engine.pd is not None:
@@ -90,6 +94,17 @@ class EngineWorker:
         gc.collect()
         gc.freeze()  # long-lived objects leave the collector's generations: no pauses scanning them
         logger.info("worker %s ready", worker_id)
+
+    def _lower_compute_priority(self, offset: int) -> None:
+        tid = self.engine.scheduler_thread_id
+        try:
+            nice = os.getpriority(os.PRIO_PROCESS, tid) + offset
+            os.setpriority(os.PRIO_PROCESS, tid, min(nice, 19))
+            logger.info("worker %s: forward passes at niceness %d (KV transfer threads keep "
+                        "theirs)", self.worker_id, min(nice, 19))
+        except OSError as exc:
+            logger.warning("worker %s: cannot lower the scheduler thread's priority: %s",
+                           self.worker_id, exc)
 
     @staticmethod
     def _set_niceness(target: int) -> None:

@@ -27,6 +27,9 @@ def class_stats(records: list[RequestRecord], groups: dict[int, int]) -> dict:
 
 
 def transfer_fields(summary: dict, loopback_rate: float | None) -> dict:
+    """The run's KV transfer rate in GB/s and as a share of ``loopback_rate`` (bytes/s; the
+    higher of the rates measured before and after the runs, so the share is not flattered
+    by a slow loopback measurement)."""
     rate = summary.get("kv_transfer_rate")
     return {"loopback_tcp_gb_s": loopback_rate / 1e9 if loopback_rate else None,
             "kv_transfer_gb_s": rate / 1e9 if rate else None,
@@ -39,5 +42,6 @@ def format_table(summaries: list[dict]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     loop = next((s["loopback_tcp_gb_s"] for s in summaries if s.get("loopback_tcp_gb_s")), None)
     if loop:
-        lines.append(f"loopback TCP (plain sockets, this machine, this run): {loop:.2f} GB/s")
+        lines.append(f"loopback TCP (plain sockets, this machine, this run; the higher of the "
+                     f"rates before and after): {loop:.2f} GB/s")
     return "\n".join(lines)

@@ -402,6 +402,14 @@ def run_serve_bench(args: argparse.Namespace) -> int:
                 if jsonl:
                     jsonl.writelines(json.dumps(r.to_json()) + "\n" for r in records)
                     jsonl.flush()
+    if loopback is not None:  # again at the end: the rate drifts on a shared host
+        from radixray.bench import interference
+        from radixray.bench.loopback import tcp_loopback_rate
+        again = tcp_loopback_rate()
+        print(f"loopback TCP rate at the end: {again / 1e9:.2f} GB/s", flush=True)
+        for summary in summaries:
+            summary["loopback_tcp_gb_s_runs"] = [loopback / 1e9, again / 1e9]
+            summary.update(interference.transfer_fields(summary, max(loopback, again)))
     if args.dataset == "interference":
         from radixray.bench.interference import format_table
         print(format_table(summaries))

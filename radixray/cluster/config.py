@@ -94,6 +94,9 @@ class ServerSection(BaseModel):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # niceness the EngineWorker gives its threads (Ray starts workers at 15); None keeps Ray's
     worker_niceness: int | None = Field(0, ge=-20, le=19)
+    # prefill/decode workers: forward passes this much nicer than the KV transfer threads,
+    # which otherwise get half a core while both roles compute (docs/disaggregation.md)
+    pd_compute_nice_offset: int = Field(10, ge=0, le=19)
 
 
 class FleetSection(BaseModel):

@@ -258,6 +258,11 @@ class Engine:
             self._raise_if_dead()
         return self._result(reqs[0])
 
+    @property
+    def scheduler_thread_id(self) -> int | None:
+        """The kernel id of the scheduler thread (the one that runs the forward passes)."""
+        return self._thread.native_id
+
     def health(self) -> EngineHealth:
         """Whether the scheduler thread runs and the engine serves (thread-safe)."""
         faults = self.scheduler.faults

@@ -45,6 +45,32 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     return _madvise()(aligned, length, MADV_HUGEPAGE) == 0
 
 
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable, contents unchanged
+PAGE = 4096
+
+
+def populate_rows(buffers: list[torch.Tensor], rows_per_round: int) -> float:
+    """Fault in the pages of ``buffers`` (same leading dimension) without changing their
+    contents, ``rows_per_round`` rows of every buffer per round in row order, so rows are
+    ready in the order an allocator hands them out. Safe while others write the buffers.
+    Returns the seconds it took; 0.0 when the kernel cannot (nothing happens then)."""
+    import time
+    if not sys.platform.startswith("linux") or not buffers or buffers[0].device.type != "cpu":
+        return 0.0
+    madvise = _madvise()
+    row_bytes = buffers[0][0].numel() * buffers[0].element_size()
+    rows = buffers[0].shape[0]
+    t0 = time.perf_counter()
+    for first in range(0, rows, rows_per_round):
+        n = min(rows_per_round, rows - first)
+        for buf in buffers:
+            start = buf.data_ptr() + first * row_bytes
+            aligned = start // PAGE * PAGE
+            if madvise(aligned, start + n * row_bytes - aligned, MADV_POPULATE_WRITE) != 0:
+                return 0.0
+    return time.perf_counter() - t0
+
+
 def empty_huge(shape, dtype: torch.dtype) -> torch.Tensor:
     """An untouched CPU tensor advised for huge pages (falls back to normal pages silently)."""
     t = torch.empty(shape, dtype=dtype)

@@ -86,3 +86,12 @@ def test_bootstrap_room_bounds():
     for bad in (-1, 2**63, "7", True):
         with pytest.raises(ValueError, match="bootstrap_room"):
             PDBootstrap(bad, "w")
+
+
+def test_populating_a_pool_keeps_its_contents():
+    from radixray.engine.hugepages import empty_huge, populate_rows
+    bufs = [empty_huge((3000, 2, 8), torch.float32) for _ in range(3)]
+    bufs[1][2999] = 7.0
+    bufs[2][0] = -1.0
+    populate_rows(bufs, 1024)
+    assert float(bufs[1][2999].sum()) == 7.0 * 16 and float(bufs[2][0].sum()) == -16.0

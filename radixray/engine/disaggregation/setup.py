@@ -58,12 +58,28 @@ class PDLink:
         elif mode == "decode":
             self.side = DecodeSide(scheduler, self.transport.session, self.layout, self.send,
                                    worker_id, config.disaggregation_waiting_timeout_s)
+            # Peers write into this pool over the network; a write into never-touched
+            # (huge) pages waits on the page faults, ~10x slower than into faulted ones
+            # (measured: 0.16 vs 1.0-1.5 GB/s). Fault the pool in, in slot order, in the
+            # background (contents unchanged, so it may overlap the first transfers).
+            threading.Thread(target=self._populate, args=(kv_pool,), daemon=True,
+                             name="radixray-kv-populate").start()
         else:
             raise ValueError(f"disaggregation_mode must be 'prefill' or 'decode', got {mode!r}")
         scheduler.pd = self.side
         logger.info("%s worker %s: KV transfer endpoint %s (%s), %d layers x %d bytes per slot",
                     mode, worker_id, self.transport.session, self.transport.protocol,
                     self.layout.num_layers, self.layout.slot_bytes)
+
+    @staticmethod
+    def _populate(kv_pool) -> None:
+        from radixray.engine.hugepages import populate_rows
+        seconds = populate_rows(kv_pool.k_buffers + kv_pool.v_buffers, 4096)
+        if seconds:
+            logger.info("decode KV pool faulted in (%.1f GB) in %.1f s",
+                        kv_pool.bytes_per_token * (kv_pool.size + 1) / 1e9, seconds)
+        else:
+            logger.info("decode KV pool left to fault on first write (no MADV_POPULATE_WRITE)")
 
     @property
     def session(self) -> str:
