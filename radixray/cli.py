@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from radixray.bench import (
         cache_experiment,
         kernels,
+        kv_transfer,
         naive_server,
         quant_quality,
         serve_client,
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     serve_client.add_parser(bench_sub)
     kernels.add_parser(bench_sub)
+    kv_transfer.add_parser(bench_sub)
     cache_experiment.add_parser(bench_sub)
     naive_server.add_parser(bench_sub)
     quant_quality.add_parser(bench_sub)

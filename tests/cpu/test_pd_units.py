@@ -95,3 +95,27 @@ def test_populating_a_pool_keeps_its_contents():
     bufs[2][0] = -1.0
     populate_rows(bufs, 1024)
     assert float(bufs[1][2999].sum()) == 7.0 * 16 and float(bufs[2][0].sum()) == -16.0
+
+
+def test_interference_workload_and_class_stats(tiny_llama_dir):
+    from radixray.bench.datasets import build_interference, load_tokenizer
+    from radixray.bench.interference import class_stats, transfer_fields
+    from radixray.bench.serve_metrics import RequestRecord
+    items = build_interference(load_tokenizer(tiny_llama_dir), 8, 16, 4, 2, 128, 2, seed=3)
+    assert [it.group for it in items] == [0, 1, 0, 0, 0, 0, 1, 0, 0, 0]
+    assert all(abs(it.prompt_len - 128) <= 4 for it in items if it.group)
+    recs = [RequestRecord(index=it.index, success=True, ttft=0.1 * (1 + it.group * 9),
+                          itl=[0.01, 0.02]) for it in items]
+    stats = class_stats(recs, {it.index: it.group for it in items})
+    assert stats["median_ttft_ms_long"] == pytest.approx(1000) and \
+        stats["median_ttft_ms_short"] == pytest.approx(100)
+    fields = transfer_fields({"kv_transfer_rate": 5e8}, 1e9)
+    assert fields["kv_transfer_vs_loopback"] == 0.5 and fields["kv_transfer_gb_s"] == 0.5
+
+
+def test_kv_transfer_bench_writes_a_model_shaped_pool(tiny_llama_dir):
+    from radixray.bench.kv_transfer import run
+    from radixray.engine.loader import resolve_model
+    out = run(tiny_llama_dir, tokens=64, repeats=2, loopback_chunk=4 << 20)
+    layers = resolve_model(tiny_llama_dir).config.num_hidden_layers
+    assert out["spans"] == 2 * layers and out["kv_gb_s_median"] > 0 and out["kv_vs_loopback"] > 0
