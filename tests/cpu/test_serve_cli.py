@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import pytest
 from serving_helpers import RAY_ENV, assert_disconnect_returns_kv, free_port, metric, wait_ready
 
 ENV = {**os.environ, **RAY_ENV}
@@ -114,6 +115,7 @@ serve.shutdown()
 """
 
 
+@pytest.mark.slow  # ~1 min (a Ray head, its dashboard's job agent, a job): make test-slow
 def test_ray_job_submit_builds_the_app_and_answers(tiny_llama_dir, tmp_path):
     gcs, dash, http = free_port(), free_port(), free_port()
     script = tmp_path / "job.py"
