@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.set_defaults(func=cmd_generate)
 
+    from radixray.serve import drain_cli
+    drain_cli.add_parser(sub)
+
     rl = sub.add_parser("rl", help="RL jobs on the fleet")
     rl_sub = rl.add_subparsers(dest="rl_command", required=True)
     grpo = rl_sub.add_parser("grpo", help="a GRPO training job (rollout -> reward -> train -> "

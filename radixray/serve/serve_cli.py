@@ -180,19 +180,8 @@ def drain_and_exit(cfg, stop: threading.Event, timeout: float | None) -> int:
     from radixray.serve.fleet import find_controller
     controller = find_controller(cfg)
     if controller is not None:
-        remaining = ray.get(controller.drain_all.remote())
-        deadline = None if timeout is None else time.monotonic() + timeout
-        last_log = 0.0
-        while remaining:
-            if time.monotonic() - last_log >= 5:
-                rids = ray.get(controller.inflight_rids.remote())
-                logger.warning("Gracefully exiting... remaining requests: %d %s", remaining, rids)
-                last_log = time.monotonic()
-            if deadline is not None and time.monotonic() > deadline:
-                logger.warning("drain timeout: %d request(s) cut off", remaining)
-                break
-            time.sleep(0.25)
-            remaining = ray.get(controller.num_inflight.remote())
+        from radixray.serve.drain_cli import drain_fleet
+        drain_fleet(controller, timeout)
         time.sleep(1.0)  # let the ingress write the last chunks to its clients
     logger.warning("Gracefully exiting... remaining requests: 0")
     serve.shutdown()

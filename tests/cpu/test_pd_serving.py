@@ -181,3 +181,14 @@ def test_decode_killed_mid_transfer(server):
     load = ray.get(_handle("worker-0").load.remote())
     assert load.pd["transfer_failed"] >= 1  # counted on the side that saw the write fail
     # (the restart and a request after it are checked in the prefill-kill test)
+
+
+def test_radixray_drain_drains_every_fleet(server):
+    """The preStop hook of k8s/rayservice.yaml: the fleet refuses new requests afterwards
+    (this module's last test: the fleet stays drained)."""
+    import argparse
+
+    from radixray.serve.drain_cli import cmd_drain
+    assert cmd_drain(argparse.Namespace(address="auto", timeout=60)) == 0
+    r = httpx.get(f"{server}/ready", timeout=60)
+    assert r.status_code == 503 and r.json()["status"] == "draining"
