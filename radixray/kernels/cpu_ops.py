@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 
 import torch
 import torch.nn.functional as F
@@ -49,23 +50,36 @@ def load_extension():
             sources = [os.path.join(csrc, name) for name in (
                 "cpu_ops.cpp", "attention.cpp", "attention_amx.cpp", "decode_avx512.cpp", "int8_ops.cpp",
                 "int8_vnni.cpp", "kv_store.cpp")]
-            logger.info("Loading radixray CPU kernels (compiled once per machine, ~1 min)")
-            build_dir = _build_directory(csrc)
+            cflags = CFLAGS
+            build_dir = _build_directory(csrc, cflags)
+            cached = any(f.endswith(".so") for f in os.listdir(build_dir))
+            logger.info("%s radixray CPU kernels (%s)", "Loading" if cached else "Compiling",
+                        build_dir if cached else "once per machine and source version, ~1 min")
+            t0 = time.perf_counter()
             with _build_lock(build_dir):
                 load(name="radixray_cpu_ops", sources=sources, build_directory=build_dir,
-                     extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
-                     extra_ldflags=["-fopenmp"], verbose=False)
+                     extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False)
             _ext = torch.ops.radixray
+            logger.info("radixray CPU kernels ready in %.1f s", time.perf_counter() - t0)
         except Exception as exc:  # no compiler / headers: stay correct, just slower
             logger.warning("radixray CPU kernels unavailable (%s); using torch ops", exc)
             _ext = None
         return _ext
 
 
-def _build_directory(csrc: str) -> str:
-    """One build folder per source tree and torch version: two checkouts on one machine
-    (a work tree and CI's clone) then never rebuild over each other."""
-    key = hashlib.sha1(f"{os.path.realpath(csrc)}|{torch.__version__}".encode()).hexdigest()[:12]
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+
+
+def _build_directory(csrc: str, cflags: list[str] = CFLAGS) -> str:
+    """One build folder per version of the kernel sources (their contents), torch version
+    and flags: checkouts with the same sources on one machine share one build (a fresh
+    clone does not compile again), and a checkout with edited sources never rebuilds over
+    another's."""
+    digest = hashlib.sha1(f"{torch.__version__}|{' '.join(cflags)}".encode())
+    for name in sorted(os.listdir(csrc)):
+        with open(os.path.join(csrc, name), "rb") as f:
+            digest.update(name.encode() + b"\0" + f.read())
+    key = digest.hexdigest()[:12]
     root = os.environ.get("RADIXRAY_CACHE_DIR", os.path.expanduser("~/.cache/radixray"))
     path = os.path.join(root, "torch_extensions", f"radixray_cpu_ops-{key}")
     os.makedirs(path, exist_ok=True)

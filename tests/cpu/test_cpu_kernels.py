@@ -134,3 +134,15 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load():
     code = "from radixray.kernels.cpu_ops import load_extension; assert load_extension() is not None"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=900)
     assert not os.path.exists(stale)
+
+
+def test_checkouts_with_the_same_sources_share_one_build(tmp_path):
+    """A fresh clone of the same commit reuses the machine's build; edited sources do not."""
+    import os
+    import shutil
+    csrc = os.path.join(os.path.dirname(cpu_ops.__file__), "csrc")
+    clone = shutil.copytree(csrc, tmp_path / "clone" / "csrc")
+    assert cpu_ops._build_directory(csrc) == cpu_ops._build_directory(str(clone))
+    with open(clone / "kv_store.cpp", "a") as f:
+        f.write("\n// edited\n")
+    assert cpu_ops._build_directory(csrc) != cpu_ops._build_directory(str(clone))
