@@ -55,6 +55,7 @@ class EngineWorker:
         threads, so the KV transfer's threads get a busy core when they need it."""
         logging.basicConfig(level=log_level.upper(), format="[%(asctime)s] %(message)s",
                             datefmt="%Y-%m-%d %H:%M:%S")
+        constructed = time.perf_counter()
         if niceness is not None:
             self._set_niceness(niceness)
         options = dict(engine_options)
@@ -93,6 +94,7 @@ class EngineWorker:
             logger.info("worker %s warmed up in %.2f s", worker_id, time.perf_counter() - t0)
         gc.collect()
         gc.freeze()  # long-lived objects leave the collector's generations: no pauses scanning them
+        self.startup_seconds = time.perf_counter() - constructed
         logger.info("worker %s ready", worker_id)
 
     def _lower_compute_priority(self, offset: int) -> None:
@@ -219,6 +221,8 @@ class EngineWorker:
         """Running / queued requests, KV usage, weight version and released memory now."""
         snap = await self._in_loop(scheduler_snapshot)
         snap.role = self.role
+        snap.startup_seconds = self.startup_seconds
+        snap.weight_load_seconds = self.engine.runner.weight_load_seconds
         if snap.pd is not None:
             self.pd_metrics.observe(snap.pd)
         snap.inflight = self.num_inflight()

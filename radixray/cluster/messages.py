@@ -70,6 +70,10 @@ class WorkerLoad:
     inflight: int = 0  # requests of this worker's open channels not finished yet
     weight_version: int = 0
     memory_released: list[str] = field(default_factory=list)  # tags released now
+    num_used_tokens: int = 0  # KV slots held by requests or the cache
+    max_total_num_tokens: int = 0  # the KV pool's size
+    startup_seconds: float = 0.0  # the worker's constructor: model load, pool, warm-up
+    weight_load_seconds: float = 0.0
     role: str = "unified"
     pd: dict | None = None  # prefill/decode: queues, failures, finished transfers (pd_metrics)
 

@@ -32,8 +32,9 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
 def scheduler_snapshot(scheduler) -> WorkerLoad:
     """Counters and gauges of one scheduler; call on the scheduler thread (CallInLoop)."""
     st = scheduler.stats
-    _, usage = scheduler.token_usage()
+    used, usage = scheduler.token_usage()
     return WorkerLoad(
+        num_used_tokens=used, max_total_num_tokens=scheduler.kv.pool_size,
         num_running_reqs=len(scheduler.running), num_queue_reqs=len(scheduler.waiting),
         token_usage=usage, gen_throughput=st.gen_throughput if scheduler.running else 0.0,
         prompt_tokens=st.prompt_tokens, generation_tokens=st.generation_tokens,
@@ -63,6 +64,10 @@ class WorkerMetrics:
         self.queue_time = Histogram(PREFIX + "queue_time_seconds", "Time from arrival to the first "
                                     "admission into a prefill batch.", lab, buckets=TTFT_BUCKETS,
                                     registry=self.registry).labels(worker_id)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Per request: time "
+                              "from its first to its last token over the tokens after the "
+                              "first.", lab, buckets=ITL_BUCKETS, registry=self.registry
+                              ).labels(worker_id)
         self.requests = Counter(PREFIX + "requests", "Finished requests by finish reason.",
                                 ["worker", "finish_reason"], registry=self.registry)
         self._last_update: dict[str, float] = {}
@@ -86,6 +91,10 @@ class WorkerMetrics:
                                   (meta.e2e_latency, self.e2e), (meta.queue_time, self.queue_time)):
                 if seconds is not None:
                     hist.observe(seconds)
+            if meta.completion_tokens > 1 and meta.e2e_latency is not None \
+                    and meta.first_token_latency is not None:
+                self.tpot.observe((meta.e2e_latency - meta.first_token_latency)
+                                  / (meta.completion_tokens - 1))
             reason = meta.finish_reason.type if meta.finish_reason else "unknown"
             self.requests.labels(self.worker_id, reason).inc()
 
@@ -100,6 +109,22 @@ class WorkerMetrics:
                           ("num_queue_reqs", "Requests waiting for admission.")):
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["worker", "role"])
             g.add_metric(w + [snapshot.role], float(getattr(snapshot, name)))
+            out.append(g)
+        total = snapshot.prefill_input_tokens + snapshot.prefill_cached_tokens
+        for name, value, doc in (
+                ("num_used_tokens", snapshot.num_used_tokens, "KV slots in use (requests + "
+                 "cache)."),
+                ("max_total_num_tokens", snapshot.max_total_num_tokens, "The KV pool's size in "
+                 "tokens."),
+                ("cache_hit_rate", snapshot.prefill_cached_tokens / total if total else 0.0,
+                 "Prompt tokens served from the radix cache over all prompt tokens prefilled, "
+                 "since start (rate() of prefill_effective_tokens gives it over a window)."),
+                ("startup_seconds", snapshot.startup_seconds, "Seconds the worker took to start "
+                 "(model load, KV pool, warm-up)."),
+                ("weight_load_seconds", snapshot.weight_load_seconds, "Seconds the model's "
+                 "weights took to load at start.")):
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["worker"])
+            g.add_metric(w, float(value))
             out.append(g)
         for name, doc in (("token_usage", "Share of the KV pool in use (requests + cache)."),
                           ("gen_throughput", "Decode tokens per second over the last log interval."),

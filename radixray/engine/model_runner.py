@@ -100,7 +100,7 @@ class ModelRunner:
         self.model.to(self.device).eval()
         if self.device == "cpu":
             pack_parameters_into_huge_pages(self.model)
-        load_s = time.perf_counter() - t0
+        load_s = self.weight_load_seconds = time.perf_counter() - t0
 
         head_dim = head_dim_of(hf)
         self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else _KV_DTYPES[config.kv_cache_dtype]

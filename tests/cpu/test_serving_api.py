@@ -155,8 +155,16 @@ def test_metrics_move_by_the_request(server):
     assert delta("radixray:time_to_first_token_seconds_count") == 2
     assert delta("radixray:inter_token_latency_seconds_count") == 12
     assert 'worker="worker-0"' in after
-    for gauge in ("num_running_reqs", "num_queue_reqs", "token_usage", "gen_throughput"):
+    for gauge in ("num_running_reqs", "num_queue_reqs", "token_usage", "gen_throughput",
+                  "num_used_tokens", "max_total_num_tokens", "cache_hit_rate",
+                  "startup_seconds", "weight_load_seconds"):
         assert f"radixray:{gauge}{{" in after
+    assert metric(after, "radixray:max_total_num_tokens") == 4096  # the tiny config's pool
+    assert metric(after, "radixray:num_used_tokens") == 0  # idle: cached prefixes are evictable
+    assert metric(after, "radixray:cache_hit_rate") > 0  # the second request hit
+    assert metric(after, "radixray:startup_seconds") >= metric(
+        after, "radixray:weight_load_seconds") > 0
+    assert delta("radixray:time_per_output_token_seconds_count") == 2
 
 
 LONG = "the cat sat on the mat " * 300  # over the tiny model's 1024-token context
