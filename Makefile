@@ -18,15 +18,18 @@ venv: $(STAMP)
 # torch first: without a GPU the CPU build (2.13.0) is pinned, because an open
 # range would pull a multi-GB CUDA build. GPU-only extras stay optional.
 # Mooncake's transfer engine (prefill-decode KV transfer) links Debian's libibverbs1 even
-# for TCP: install it first when it is missing (as root, or through sudo).
+# for TCP, and the dashboard test runs Debian's prometheus: install them first when missing
+# (as root, or through sudo).
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 && command -v apt-get >/dev/null; then \
+	PKGS=""; ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || PKGS="libibverbs1"; \
+	command -v prometheus >/dev/null || PKGS="$$PKGS prometheus"; \
+	if [ -n "$$PKGS" ] && command -v apt-get >/dev/null; then \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-		$$SUDO apt-get install -y -q libibverbs1 >/dev/null 2>&1 || \
-		{ $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q libibverbs1 >/dev/null; } || \
-		echo "warning: could not install libibverbs1: prefill-decode serving will not start"; \
+		$$SUDO apt-get install -y -q $$PKGS >/dev/null 2>&1 || \
+		{ $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q $$PKGS >/dev/null; } || \
+		echo "warning: could not install $$PKGS (prefill-decode serving needs libibverbs1; the Prometheus test skips without prometheus)"; \
 	fi
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		$(PY) -m pip install -q torch; \

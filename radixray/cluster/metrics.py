@@ -245,6 +245,8 @@ class WeightUpdateMetrics:
         self.updates = Counter(PREFIX + "weight_updates", "Fleet-wide weight updates by result "
                                "(ok, or failed: every worker kept the old weights).", ["result"],
                                registry=self.registry)
+        for result in ("ok", "failed"):  # both series exist from the start (0), for alerts
+            self.updates.labels(result)
 
     def observe(self, phases: dict[str, float], ok: bool) -> None:
         for phase, seconds in phases.items():
