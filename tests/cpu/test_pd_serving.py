@@ -133,6 +133,25 @@ def test_direct_request_to_a_decode_worker_is_refused(server):
             "direct-1", [1, 2, 3], SamplingParams(max_new_tokens=2))]))
 
 
+def test_prometheus_evaluates_every_dashboard_expression(server, tmp_path):
+    """deploy/prometheus/prometheus.yml scraping this fleet (prefill-decode, so the transfer
+    panels have data too); every PromQL expression of deploy/grafana/radixray.json returns
+    data through Prometheus' HTTP API after some traffic. Runs before the kill tests: it
+    needs both workers up."""
+    from prometheus_helpers import dashboard_expressions, prometheus_scraping, query, wait_scraped
+    with prometheus_scraping(f"127.0.0.1:{PORT}", free_port(), tmp_path) as prom:
+        wait_scraped(prom, "radixray:generation_tokens_total", 2)
+        for i in range(3):
+            r = httpx.post(f"{server}/v1/completions", json={
+                "model": "smol", "prompt": f"Count to {i + 3}:", "max_tokens": 6}, timeout=120)
+            assert r.status_code == 200
+        wait_scraped(prom, "radixray:generation_tokens_total", 4)
+        time.sleep(2.5)  # two more scrapes after the traffic: rates see it
+        empty = [(title, expr) for title, expr in dashboard_expressions()
+                 if not query(prom, expr)]
+    assert not empty, f"dashboard expressions without data: {empty}"
+
+
 def _long_request(base: str, out: dict) -> None:
     words = " ".join(f"word{i}" for i in range(300))
     try:
@@ -181,24 +200,6 @@ def test_decode_killed_mid_transfer(server):
     load = ray.get(_handle("worker-0").load.remote())
     assert load.pd["transfer_failed"] >= 1  # counted on the side that saw the write fail
     # (the restart and a request after it are checked in the prefill-kill test)
-
-
-def test_prometheus_evaluates_every_dashboard_expression(server, tmp_path):
-    """deploy/prometheus/prometheus.yml scraping this fleet (prefill-decode, so the transfer
-    panels have data too); every PromQL expression of deploy/grafana/radixray.json returns
-    data through Prometheus' HTTP API after some traffic."""
-    from prometheus_helpers import dashboard_expressions, prometheus_scraping, query, wait_scraped
-    with prometheus_scraping(f"127.0.0.1:{PORT}", free_port(), tmp_path) as prom:
-        wait_scraped(prom, "radixray:generation_tokens_total", 2)
-        for i in range(3):
-            r = httpx.post(f"{server}/v1/completions", json={
-                "model": "smol", "prompt": f"Count to {i + 3}:", "max_tokens": 6}, timeout=120)
-            assert r.status_code == 200
-        wait_scraped(prom, "radixray:generation_tokens_total", 4)
-        time.sleep(2.5)  # two more scrapes after the traffic: rates see it
-        empty = [(title, expr) for title, expr in dashboard_expressions()
-                 if not query(prom, expr)]
-    assert not empty, f"dashboard expressions without data: {empty}"
 
 
 def test_radixray_drain_drains_every_fleet(server):
