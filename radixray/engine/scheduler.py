@@ -20,12 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from radixray.engine.admission import (
-    RETRACT_DECODE_STEPS,
     AddResult,
     NewTokenRatio,
     PrefillBudget,
-    new_request_need,
-    retraction_order,
 )
 from radixray.engine.config import EngineConfig
 from radixray.engine.faults import BATCH_FAULT_STATUS, ENGINE_FAILED_STATUS, StepFaults, describe
@@ -33,6 +30,7 @@ from radixray.engine.forward_batch import ForwardBatch
 from radixray.engine.kv_manager import KVManager
 from radixray.engine.model_runner import ModelRunner
 from radixray.engine.policy import InBatchPrefixes, order_waiting
+from radixray.engine.preemption import preempt_for, retract_for_decode
 from radixray.engine.radix_cache import MatchResult, RadixCache
 from radixray.engine.request import FinishReason, Req
 from radixray.engine.sampler import DETERMINISTIC_DEFAULT_SEED, Sampler
@@ -40,9 +38,6 @@ from radixray.engine.stats import SchedulerStats, log_decode, log_prefill
 from radixray.engine.stop import StopChecker
 
 logger = logging.getLogger("radixray.scheduler")
-
-OOM_ABORT_MESSAGE = ("Out of memory even after retracting all other requests: the KV pool cannot "
-                     "hold this request's next token; raise max_total_tokens or lower max_new_tokens")
 
 
 @dataclass
@@ -135,8 +130,8 @@ class Scheduler:
                 item.future.set_result(item.fn(self))
             except Exception as exc:  # the caller sees it; the loop keeps serving
                 item.future.set_exception(exc)
-        elif self.pd is not None and self.pd.handles(item):
-            self.pd.on_message(item)
+        elif self.pd is not None and type(item) in self.pd.handlers:
+            self.pd.handlers[type(item)](item)
         else:
             raise TypeError(f"unknown scheduler command {item!r}")
 
@@ -302,7 +297,7 @@ class Scheduler:
             if in_batch.should_defer(req, len(match.slots)):
                 continue
             if len(self.running) + len(budget.added) >= self.max_running:
-                if not self._preempt_for(req, budget):
+                if not preempt_for(self, req, budget):
                     break
                 matches.clear()
                 match = self.kv.match(req)
@@ -312,7 +307,7 @@ class Scheduler:
             # available count, so they cannot also pay for this request's new tokens.
             budget.rem_total_tokens -= self.kv.lock_cost(match)
             result = budget.try_add(req, extend_len)
-            if result == AddResult.NO_TOKEN and self._preempt_for(req, budget, extend_len):
+            if result == AddResult.NO_TOKEN and preempt_for(self, req, budget, extend_len):
                 matches.clear()
                 result = budget.try_add(req, extend_len)
             if result == AddResult.NO_TOKEN and not self.running and not budget.added \
@@ -384,7 +379,7 @@ class Scheduler:
     # ---- decode --------------------------------------------------------------------
     def _run_decode(self) -> None:
         if self.kv.available_tokens() < len(self.running):
-            self._retract_for_decode()
+            retract_for_decode(self)
             if not self.running:
                 return
         else:
@@ -405,26 +400,6 @@ class Scheduler:
             self.stats.gen_throughput = self.stats.take_gen_throughput()
             log_decode(len(self.running), used, usage, self.stats.gen_throughput, len(self.waiting))
 
-    def _retract_for_decode(self) -> None:
-        """Free KV for the next decode step by sending requests back to the waiting queue."""
-        order = retraction_order(self.running)
-        retracted: list[Req] = []
-        while order and (not retracted or
-                         self.kv.available_tokens() < RETRACT_DECODE_STEPS * len(order)):
-            if len(order) == 1:
-                break
-            victim = order.pop(0)
-            self.retract(victim)
-            retracted.append(victim)
-        if order and self.kv.available_tokens() < len(order):
-            # Even alone the last request cannot grow: abort instead of retrying forever.
-            self.finish(order[0], FinishReason("abort", message=OOM_ABORT_MESSAGE))
-            self.on_output([order[0]])
-        old = self.ratio.value
-        self.ratio.reset_after_retraction(self.running)
-        logger.warning("KV cache pool is full. Retract requests. #retracted_reqs: %d, "
-                       "#new_token_ratio: %.4f -> %.4f", len(retracted), old, self.ratio.value)
-
     def retract(self, req: Req) -> None:
         """Send a running request back to the waiting queue; its KV is freed (or cached)."""
         self.running.remove(req)
@@ -432,28 +407,6 @@ class Scheduler:
         req.reset_for_retraction()
         self.stats.num_retracted_reqs += 1
         self.waiting.append(req)
-
-    def _preempt_for(self, req: Req, budget: PrefillBudget, extend_len: int | None = None) -> bool:
-        """Priority scheduling: retract lower-priority running requests so ``req`` can start."""
-        if not self.config.enable_priority_scheduling:
-            return False
-        threshold = self.config.priority_preemption_threshold
-        victims = sorted((r for r in self.running if r.priority + threshold < req.priority),
-                         key=lambda r: (r.priority, -r.arrival_time))
-        need_rows = len(self.running) + len(budget.added) >= self.max_running
-        freed_any = False
-        for victim in victims:
-            if not need_rows and (extend_len is None or
-                                  budget.rem_total_tokens >= new_request_need(extend_len, req)):
-                break
-            before = self.kv.available_tokens()
-            self.retract(victim)
-            budget.rem_total_tokens += self.kv.available_tokens() - before
-            budget.rem_total_tokens += new_request_need(0, victim) * (
-                1.0 if victim.sampling.ignore_eos else self.ratio.value)
-            need_rows = False
-            freed_any = True
-        return freed_any
 
     # ---- results -------------------------------------------------------------------
     def _sample_and_process(self, logits: torch.Tensor, reqs: list[Req], prefill: bool) -> None:

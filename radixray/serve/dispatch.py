@@ -45,6 +45,32 @@ def ids_route_text(ids: list[int]) -> str:
     return "".join(map(chr, ids))
 
 
+def fails_before_first_token(update: RequestUpdate, started: bool) -> bool:
+    """An error before any token, not of the request's own batch (status 500): the worker
+    or its engine went away, so the request may be placed again."""
+    return update.error is not None and not started and update.status != BATCH_FAULT_STATUS
+
+
+def outcome_of(update: RequestUpdate, worker: str, outcome: bool | None) -> bool | None:
+    """The request's outcome for the router's circuit breaker after ``update`` (which
+    gets ``worker`` in its meta when it is the last)."""
+    if update.error is not None:
+        return False
+    if update.meta is not None:
+        update.meta.worker_id = worker
+        return True
+    return outcome
+
+
+async def close_all(streams: list[AsyncIterator]) -> None:
+    """Close update iterators; an unfinished one aborts its request on the worker."""
+    for s in streams:
+        try:
+            await s.aclose()
+        except Exception:  # noqa: BLE001 - closing must not mask the original error
+            pass
+
+
 class Lease:
     """One router pick shared by the requests submitted together (n choices, a batch)."""
 
@@ -158,15 +184,10 @@ class Dispatcher:
             while True:
                 failed = None
                 async for update in stream:
-                    if update.error is not None and not started \
-                            and update.status != BATCH_FAULT_STATUS:
+                    if fails_before_first_token(update, started):
                         failed = update
                         break
-                    if update.error is not None:
-                        outcome = False
-                    elif update.meta is not None:
-                        update.meta.worker_id = lease.worker
-                        outcome = True
+                    outcome = outcome_of(update, lease.worker, outcome)
                     started = True
                     yield update
                 if failed is None:

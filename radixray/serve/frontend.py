@@ -17,7 +17,7 @@ from radixray.cluster.messages import SubmitRequest, WorkerInfo
 from radixray.engine.detokenizer import IncrementalDetokenizer
 from radixray.engine.messages import MetaInfo, RequestUpdate
 from radixray.engine.sampling import SamplingParams
-from radixray.serve.dispatch import Dispatcher, ids_route_text
+from radixray.serve.dispatch import Dispatcher, close_all, ids_route_text
 
 
 class ApiError(Exception):
@@ -216,12 +216,3 @@ class Frontend:
             for t in tasks:
                 t.cancel()
             await close_all(streams)
-
-
-async def close_all(streams: list[AsyncIterator]) -> None:
-    """Close update iterators; an unfinished one aborts its request on the worker."""
-    for s in streams:
-        try:
-            await s.aclose()
-        except Exception:  # noqa: BLE001 - closing must not mask the original error
-            pass

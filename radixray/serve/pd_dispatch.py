@@ -27,9 +27,14 @@ from radixray.cluster.errors import WorkerDraining, WorkerUnavailable, unwrap_ra
 from radixray.cluster.messages import SubmitRequest
 from radixray.cluster.routing import NoWorkerAvailable
 from radixray.engine.disaggregation.messages import MAX_ROOM, PDBootstrap
-from radixray.engine.faults import BATCH_FAULT_STATUS
 from radixray.engine.messages import RequestUpdate
-from radixray.serve.dispatch import Dispatcher, Lease
+from radixray.serve.dispatch import (
+    Dispatcher,
+    Lease,
+    close_all,
+    fails_before_first_token,
+    outcome_of,
+)
 
 logger = logging.getLogger("radixray.ingress")
 
@@ -88,7 +93,7 @@ class PDDispatcher(Dispatcher):
                     bad = isinstance(x, WorkerUnavailable)
                     self.router.release.remote(w, False if bad else None)
                 else:
-                    await _close_all(x)
+                    await close_all(x)
                     self.router.release.remote(w, None)
             worker, exc = failed[0]
             if isinstance(exc, ValueError) or not isinstance(exc, (WorkerDraining,
@@ -130,15 +135,10 @@ class PDDispatcher(Dispatcher):
                                 failed = ("p", update)
                                 break
                         continue
-                    if update.error is not None and not started \
-                            and update.status != BATCH_FAULT_STATUS:
+                    if fails_before_first_token(update, started):
                         failed = ("d", update)
                         break
-                    if update.error is not None:
-                        outcome = False
-                    elif update.meta is not None:
-                        update.meta.worker_id = placed.decode
-                        outcome = True
+                    outcome = outcome_of(update, placed.decode, outcome)
                     started = True
                     d_done = update.finished
                     yield update
@@ -149,7 +149,7 @@ class PDDispatcher(Dispatcher):
             finally:
                 for t in pumps:
                     t.cancel()
-                await _close_all([placed.p_streams[i], placed.d_streams[i]])
+                await close_all([placed.p_streams[i], placed.d_streams[i]])
                 if failed is None:
                     placed.p_lease.done(p_ok if p_ok is not None else outcome)
                     placed.d_lease.done(outcome)
@@ -190,12 +190,3 @@ async def _pump(side: str, stream, queue: asyncio.Queue) -> None:
     async for update in stream:
         await queue.put((side, update))
     await queue.put((side, None))
-
-
-async def _close_all(streams) -> None:
-    """Close update iterators; an unfinished one aborts its request on its worker."""
-    for s in streams:
-        try:
-            await s.aclose()
-        except Exception:  # noqa: BLE001 - closing must not mask the original error
-            pass

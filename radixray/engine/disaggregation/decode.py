@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 from radixray.engine.admission import CLIP_MAX_NEW_TOKENS, reserved_for_running
 from radixray.engine.disaggregation.messages import (
+    PD_FAILED_STATUS,
+    TIMEOUT_SCAN_S,
     CancelRoom,
     KVArrival,
     KVDestination,
@@ -34,7 +36,6 @@ from radixray.engine.request import FinishReason, Req
 
 logger = logging.getLogger("radixray.pd")
 
-PD_FAILED_STATUS = 503
 
 
 @dataclass
@@ -57,17 +58,10 @@ class DecodeSide:
         self.prealloc: list[Req] = []
         self.transfer_failed = 0
         self.bootstrap_failed = 0
-
-    def handles(self, item) -> bool:
-        return isinstance(item, (KVArrival, CancelRoom, PeerGone))
-
-    def on_message(self, item) -> None:
-        if isinstance(item, KVArrival):
-            self.on_arrival(item)
-        elif isinstance(item, CancelRoom):
-            self.on_cancel(item)
-        else:
-            self.on_peer_gone(item.room, item.error)
+        # the scheduler hands each message of these types to its handler
+        self.handlers = {KVArrival: self.on_arrival, CancelRoom: self.on_cancel,
+                         PeerGone: lambda m: self.on_peer_gone(m.room, m.error)}
+        self._next_scan = 0.0
 
     def add(self, req: Req) -> None:
         if req.pd.room in self.rooms:
@@ -223,9 +217,14 @@ class DecodeSide:
             self._fail(room, error)
 
     def poll(self, now: float) -> None:
-        """Waiting timeout: a request whose KV has not come fails (its slots stay reserved
-        one more timeout in case the prefill worker still writes); a quarantined room past
-        it frees its slots."""
+        """Reserve slots for queued requests; then (every TIMEOUT_SCAN_S) the waiting
+        timeout: a request whose KV has not come fails (its slots stay reserved one more
+        timeout in case the prefill worker still writes); a quarantined room past it frees
+        its slots."""
+        self.try_prealloc()
+        if now < self._next_scan:
+            return
+        self._next_scan = now + TIMEOUT_SCAN_S
         limit = self.waiting_timeout_s
         for room in list(self.rooms.values()):
             if room.state is not PDState.WAITING_FOR_INPUT or now - room.since < limit:
@@ -241,7 +240,6 @@ class DecodeSide:
                      f"(disaggregation_waiting_timeout_s)")
             self._give_up(room, FinishReason("error", message=error, status=PD_FAILED_STATUS),
                           error)
-        self.try_prealloc()
 
     def holders(self) -> list[Req]:
         return [r.req for r in self.rooms.values() if r.req.req_row is not None]

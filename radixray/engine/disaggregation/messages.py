@@ -12,6 +12,8 @@ import enum
 from dataclasses import dataclass, field
 
 MAX_ROOM = 2**63  # rooms are random 63-bit integers
+PD_FAILED_STATUS = 503  # a failed pair is retried on other workers before the first token
+TIMEOUT_SCAN_S = 0.25  # rooms are checked for timeouts at most this often
 
 
 class PDState(enum.Enum):

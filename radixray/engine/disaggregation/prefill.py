@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from radixray.engine.disaggregation.messages import (
+    PD_FAILED_STATUS,
+    TIMEOUT_SCAN_S,
     CancelRoom,
     KVArrival,
     KVDestination,
@@ -31,7 +33,6 @@ from radixray.engine.request import FinishReason, Req
 
 logger = logging.getLogger("radixray.pd")
 
-PD_FAILED_STATUS = 503  # a failed pair is retried on other workers before the first token
 CANCELLED_MEMORY_S = 600.0  # how long a cancelled room is remembered (a late request fails)
 
 
@@ -60,19 +61,12 @@ class PrefillSide:
         self.bootstrap_failed = 0
         self.transfer_failed = 0
         self.transfers: list[tuple[int, float]] = []  # (bytes, seconds) since last taken
+        # the scheduler hands each message of these types to its handler
+        self.handlers = {KVDestination: self.on_destination, CancelRoom: self.on_cancel,
+                         TransferOutcome: self.on_outcome}
+        self._next_scan = 0.0
 
     # ---- arrivals -------------------------------------------------------------------
-    def handles(self, item) -> bool:
-        return isinstance(item, (KVDestination, CancelRoom, TransferOutcome))
-
-    def on_message(self, item) -> None:
-        if isinstance(item, KVDestination):
-            self.on_destination(item)
-        elif isinstance(item, CancelRoom):
-            self.on_cancel(item)
-        else:
-            self.on_outcome(item)
-
     def add(self, req: Req) -> None:
         if req.sampling.max_new_tokens == 0:  # the first token is sampled here regardless;
             req.sampling = dataclasses.replace(req.sampling, max_new_tokens=1)  # decode drops it
@@ -248,6 +242,9 @@ class PrefillSide:
 
     def poll(self, now: float) -> None:
         """Fail requests and drop destinations that waited past the bootstrap timeout."""
+        if now < self._next_scan:
+            return
+        self._next_scan = now + TIMEOUT_SCAN_S
         limit = self.bootstrap_timeout_s
         for room_id, room in list(self.rooms.items()):
             if room.state is not PDState.BOOTSTRAPPING or now - room.since < limit:
@@ -281,4 +278,4 @@ class PrefillSide:
 
     def counts(self) -> dict[str, int]:
         boot = sum(1 for r in self.rooms.values() if r.state is PDState.BOOTSTRAPPING and r.req)
-        return {"bootstrap": boot, "transfer": len(self.inflight), "sender": self.sender.pending}
+        return {"bootstrap": boot, "transfer": len(self.inflight), "sender": self.sender.pending()}

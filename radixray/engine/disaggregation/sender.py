@@ -76,13 +76,15 @@ class KVSender:
         self.fault_hook: Callable[[WriteJob], None] | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._rooms: dict[int, _RoomProgress] = {}
-        self.pending = 0  # jobs queued or running (read by the scheduler for gauges)
         self._thread = threading.Thread(target=self._run, name="radixray-kv-sender", daemon=True)
         self._thread.start()
 
     def put(self, job: WriteJob | Fence) -> None:
-        self.pending += 1
         self._queue.put(job)
+
+    def pending(self) -> int:
+        """Jobs waiting for the sender (approximate: a gauge)."""
+        return self._queue.qsize()
 
     def close(self) -> None:
         self._queue.put(None)
@@ -99,8 +101,6 @@ class KVSender:
                     self._write(job)
             except Exception:  # noqa: BLE001 - the thread must outlive any one job
                 logger.exception("KV sender job failed unexpectedly")
-            finally:
-                self.pending -= 1
 
     def _write(self, job: WriteJob) -> None:
         room = job.dest.room
