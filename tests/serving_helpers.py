@@ -86,30 +86,33 @@ def metric(text: str, name: str, **labels) -> float:
     return total
 
 
-def assert_disconnect_returns_kv(base: str) -> None:
+def assert_disconnect_returns_kv(base: str, headers: dict | None = None) -> None:
     """A streaming client that goes away mid-stream aborts its request, and every KV slot
-    of worker-0 is free or cached afterwards (the endpoint also asserts conservation)."""
+    of worker-0 is free or cached afterwards (the endpoint also asserts conservation).
+    ``headers``: sent with every request (a key that opens the API and control routes)."""
     before = httpx.get(f"{base}/metrics").text
     with httpx.stream("POST", f"{base}/v1/completions", json={
             "prompt": "the cat", "max_tokens": 900, "ignore_eos": True, "stream": True},
-            timeout=60) as s:
+            headers=headers, timeout=60) as s:
         lines = s.iter_lines()
         got = [next(lines) for _ in range(4)]
         # Hold the request in place so it cannot finish before the disconnect reaches its
         # worker (a tiny model writes 900 tokens faster than the proxy notices a close).
-        paused = httpx.post(f"{base}/pause_generation", json={"mode": "in_place"}, timeout=60)
+        paused = httpx.post(f"{base}/pause_generation", json={"mode": "in_place"},
+                            headers=headers, timeout=60)
         assert paused.json()["requests"] == {"worker-0": 1}, paused.text
     assert any(line.startswith("data: ") for line in got)
     try:
-        _wait_disconnect_abort(base, before)
+        _wait_disconnect_abort(base, before, headers)
     finally:
-        httpx.post(f"{base}/continue_generation", timeout=60).raise_for_status()
+        httpx.post(f"{base}/continue_generation", headers=headers, timeout=60).raise_for_status()
 
 
-def _wait_disconnect_abort(base: str, before: str) -> None:
+def _wait_disconnect_abort(base: str, before: str, headers: dict | None) -> None:
     kv = None
     for _ in range(100):  # the abort reaches the worker asynchronously
-        kv = httpx.get(f"{base}/debug/kv_conservation", timeout=60).json()["worker-0"]
+        kv = httpx.get(f"{base}/debug/kv_conservation", headers=headers,
+                       timeout=60).json()["worker-0"]
         if kv["running"] == 0 and kv["waiting"] == 0:
             break
         time.sleep(0.1)

@@ -29,7 +29,7 @@ from radixray.cluster.messages import FleetHealth, WorkerEntry, WorkerInfo
 from radixray.cluster.metrics import controller_families
 from radixray.cluster.pd_bootstrap import PDBootstrapService
 from radixray.cluster.registry import Registry, WorkerRecord
-from radixray.engine.weight_session import DEFAULT_GROUP
+from radixray.engine.messages import DEFAULT_GROUP
 
 logger = logging.getLogger("radixray.controller")
 
@@ -51,6 +51,7 @@ class Controller:
         self._start_task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._owners: dict[str, float] = {}  # ingress replica -> last heartbeat (monotonic)
+        self._owner_families: dict[str, list] = {}  # ingress replica -> its HTTP series
         self._created = time.monotonic()
         self._watchdog: asyncio.Task | None = None
         self.weights = FleetWeights()  # the fleet's weight version and its updates
@@ -121,7 +122,7 @@ class Controller:
             self.cfg.engine_options_for(rec.role), rec.worker_id, s.warmup, s.log_level,
             cores_shared_by=self._workers_per_node(), niceness=s.worker_niceness,
             fleet=ray.get_runtime_context().current_actor if rec.role != "unified" else None,
-            compute_nice_offset=s.pd_compute_nice_offset)
+            compute_nice_offset=s.pd_compute_nice_offset, slo=(s.slo_ttft_s, s.slo_tpot_s))
         rec.set_state("starting")
         rec.weight_version = 0
         rec.started_at = time.time()
@@ -154,9 +155,12 @@ class Controller:
                     rec.generation, info.max_total_tokens)
 
     # ---- ownership --------------------------------------------------------------------
-    async def heartbeat(self, owner: str) -> None:
-        """Ingress replica ``owner`` is alive and uses this fleet."""
+    async def heartbeat(self, owner: str, families: list | None = None) -> None:
+        """Ingress replica ``owner`` is alive and uses this fleet; ``families``: its own
+        Prometheus series (HTTP latency), served with the fleet's until it stops beating."""
         self._owners[owner] = time.monotonic()
+        if families is not None:
+            self._owner_families[owner] = families
         self._ensure_watchdog()
 
     def _ensure_watchdog(self) -> None:
@@ -416,7 +420,8 @@ class Controller:
         return out
 
     async def metric_families(self) -> list[list]:
-        """Prometheus families of every live worker, the router and the controller."""
+        """Prometheus families of every live worker, the router, the controller and the
+        ingress replicas that still beat."""
         live = self.registry.live()
         results = await asyncio.gather(*(r.handle.metric_families.remote() for r in live),
                                        return_exceptions=True)
@@ -424,6 +429,10 @@ class Controller:
         if self.router is not None:
             out.append(await self.router.metric_families.remote())
         out.append(controller_families(self.registry) + self.weights.metrics.families())
+        stale = time.monotonic() - self.cfg.fleet.owner_timeout_s
+        for owner in [o for o in self._owner_families if self._owners.get(o, 0) < stale]:
+            del self._owner_families[owner]  # a replica gone: its series go with it
+        out.extend(self._owner_families.values())
         return out
 
     # ---- RL control plane (actors/weight_rollout.py) ------------------------------------

@@ -31,8 +31,8 @@ from radixray.cluster.tensor_payload import from_payload, is_payload
 from radixray.engine.engine import Engine, StepChannel, attach_bootstrap
 from radixray.engine.faults import EngineFailed, EngineHealth
 from radixray.engine.inputs import build_requests
+from radixray.engine.messages import DEFAULT_GROUP
 from radixray.engine.scheduler import CallInLoop
-from radixray.engine.weight_session import DEFAULT_GROUP
 
 logger = logging.getLogger("radixray.worker")
 
@@ -45,14 +45,15 @@ class EngineWorker:
 
     def __init__(self, engine_options: dict, worker_id: str = "worker-0", warmup: bool = True,
                  log_level: str = "INFO", cores_shared_by: int = 1, niceness: int | None = 0,
-                 fleet=None, compute_nice_offset: int = 0):
+                 fleet=None, compute_nice_offset: int = 0, slo: tuple[float, float] = (2.0, 0.1)):
         """``cores_shared_by``: how many workers share this node's cores; without an explicit
         ``num_threads`` each gets an equal share (at least one thread). ``niceness``: what
         this process's threads are set to before the engine starts (see actors/niceness.py;
         None keeps Ray's). ``fleet``: the controller's handle, through which a prefill or
         decode worker finds the other worker of each pair. ``compute_nice_offset``: a
         prefill or decode worker runs its forward passes this much nicer than its other
-        threads, so the KV transfer's threads get a busy core when they need it."""
+        threads, so the KV transfer's threads get a busy core when they need it. ``slo``: the
+        (TTFT, TPOT) targets in seconds that goodput is counted against."""
         logging.basicConfig(level=log_level.upper(), format="[%(asctime)s] %(message)s",
                             datefmt="%Y-%m-%d %H:%M:%S")
         constructed = time.perf_counter()
@@ -77,7 +78,7 @@ class EngineWorker:
             self._set_niceness(niceness)  # threads the engine started meanwhile
         if self.engine.pd is not None and compute_nice_offset:
             self._lower_compute_priority(compute_nice_offset)
-        self.metrics = WorkerMetrics(worker_id)
+        self.metrics = WorkerMetrics(worker_id, *slo)
         self.pd_metrics = None
         if self.engine.pd is not None:
             from radixray.cluster.pd_metrics import PDMetrics

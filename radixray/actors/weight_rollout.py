@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from radixray.cluster.errors import unwrap_ray_error
 from radixray.cluster.metrics import WeightUpdateMetrics
 from radixray.engine.pause import PAUSE_MODES
-from radixray.engine.weight_session import check_version
 
 logger = logging.getLogger("radixray.controller")
 
@@ -196,6 +195,9 @@ class FleetWeights:
                      pause_mode: str | None, release: list[str], keep_paused: bool) -> dict:
         """Run one update on ``records`` (the live workers); set their versions on success.
         The version defaults to the current one + 1."""
+        # here, not at the top: weight_session needs torch, which the controller otherwise
+        # never imports (its start-up is on every fleet's critical path)
+        from radixray.engine.weight_session import check_version
         async with self.lock:
             version = check_version(self.version + 1 if weight_version is None
                                     else weight_version, self.version)

@@ -7,10 +7,19 @@ with lines like ``engine.chunked_prefill_size: Input should be a valid integer``
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    create_model,
+    model_validator,
+)
 
 from radixray.cluster.routing import RouterSettings
 from radixray.engine import options
@@ -97,6 +106,28 @@ class ServerSection(BaseModel):
     # prefill/decode workers: forward passes this much nicer than the KV transfer threads,
     # which otherwise get half a core while both roles compute (docs/disaggregation.md)
     pd_compute_nice_offset: int = Field(10, ge=0, le=19)
+    # goodput (radixray:goodput_requests_total): finished requests whose time to first token
+    # and time per output token are both within these targets
+    slo_ttft_s: float = Field(2.0, gt=0)
+    slo_tpot_s: float = Field(0.1, gt=0)
+    # keys (serve/auth.py): the API key guards the OpenAI and native APIs, the admin key every
+    # control route; unset, they are read from RADIXRAY_API_KEY / RADIXRAY_ADMIN_API_KEY.
+    # SecretStr: no log or repr shows them.
+    api_key: SecretStr | None = None
+    admin_api_key: SecretStr | None = None
+    open_routes: list[str] = Field(  # answered without any key
+        default_factory=lambda: ["/health", "/health_generate", "/ready", "/metrics"])
+
+    @model_validator(mode="after")
+    def _keys_from_the_environment(self) -> ServerSection:
+        for field, variable in (("api_key", "RADIXRAY_API_KEY"),
+                                ("admin_api_key", "RADIXRAY_ADMIN_API_KEY")):
+            if getattr(self, field) is None and os.environ.get(variable):
+                setattr(self, field, SecretStr(os.environ[variable]))
+            value = getattr(self, field)
+            if value is not None and len(value.get_secret_value()) < 8:
+                raise ValueError(f"server.{field} must be at least 8 characters")
+        return self
 
 
 class FleetSection(BaseModel):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from radixray.cluster.messages import WorkerLoad
@@ -47,10 +47,13 @@ def scheduler_snapshot(scheduler) -> WorkerLoad:
 
 
 class WorkerMetrics:
-    """One worker's series: request histograms plus scheduler counters/gauges."""
+    """One worker's series: request histograms plus scheduler counters/gauges. ``slo_ttft_s``
+    and ``slo_tpot_s``: the targets a finished request must meet both of to count as
+    goodput (server.slo_ttft_s / server.slo_tpot_s)."""
 
-    def __init__(self, worker_id: str):
+    def __init__(self, worker_id: str, slo_ttft_s: float = 2.0, slo_tpot_s: float = 0.1):
         self.worker_id = worker_id
+        self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
         self.registry = CollectorRegistry(auto_describe=True)
         lab = ["worker"]
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time from arrival at the "
@@ -70,6 +73,16 @@ class WorkerMetrics:
                               ).labels(worker_id)
         self.requests = Counter(PREFIX + "requests", "Finished requests by finish reason.",
                                 ["worker", "finish_reason"], registry=self.registry)
+        self.goodput = Counter(PREFIX + "goodput_requests", "Requests that finished (stop or "
+                               "length) within both SLOs: time to first token at most "
+                               "server.slo_ttft_s and time per output token at most "
+                               "server.slo_tpot_s. rate() of it is the goodput.", lab,
+                               registry=self.registry).labels(worker_id)
+        slo = Gauge(PREFIX + "slo_target_seconds", "The SLO targets goodput is counted "
+                    "against (server.slo_ttft_s, server.slo_tpot_s).", ["worker", "slo"],
+                    registry=self.registry)
+        slo.labels(worker_id, "ttft").set(slo_ttft_s)
+        slo.labels(worker_id, "tpot").set(slo_tpot_s)
         self._last_update: dict[str, float] = {}
 
     def observe(self, updates: list[RequestUpdate]) -> None:
@@ -91,12 +104,17 @@ class WorkerMetrics:
                                   (meta.e2e_latency, self.e2e), (meta.queue_time, self.queue_time)):
                 if seconds is not None:
                     hist.observe(seconds)
+            tpot = None
             if meta.completion_tokens > 1 and meta.e2e_latency is not None \
                     and meta.first_token_latency is not None:
-                self.tpot.observe((meta.e2e_latency - meta.first_token_latency)
-                                  / (meta.completion_tokens - 1))
+                tpot = (meta.e2e_latency - meta.first_token_latency) / (meta.completion_tokens - 1)
+                self.tpot.observe(tpot)
             reason = meta.finish_reason.type if meta.finish_reason else "unknown"
             self.requests.labels(self.worker_id, reason).inc()
+            if reason in ("stop", "length") and meta.first_token_latency is not None \
+                    and meta.first_token_latency <= self.slo_ttft_s \
+                    and (tpot is None or tpot <= self.slo_tpot_s):
+                self.goodput.inc()
 
     def forget(self, rid: str) -> None:
         self._last_update.pop(rid, None)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from radixray.engine import options
 from radixray.engine.options import option
 from radixray.engine.policy import SCHEDULE_POLICIES
-from radixray.kernels.int8_linear import QUANTIZATIONS
+from radixray.kernels import QUANTIZATIONS
 
 DTYPES = ("auto", "float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e5m2")  # auto: the model's dtype

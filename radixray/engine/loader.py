@@ -105,20 +105,28 @@ def convert_gguf(gguf_path: str) -> str:
     out = os.path.join(cache_dir(), "gguf", f"{os.path.basename(gguf_path)[:-5]}-{_file_key(gguf_path)}")
     if os.path.isfile(os.path.join(out, CONVERTED_MARKER)):
         return out
-    logger.info("Converting %s to a Hugging Face folder at %s (first load only)", gguf_path, out)
+    logger.info("Converting %s to a Hugging Face folder at %s (first load only, about a "
+                "minute for the default model)", gguf_path, out)
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
 
+    from radixray.common.progress import Stages
+    stages = Stages(logger, "GGUF conversion", 4)
     folder, name = os.path.split(os.path.abspath(gguf_path))
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    stages.done(f"config read ({config.model_type}, {config.num_hidden_layers} layers)")
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    stages.done(f"tokenizer read ({len(tokenizer)} tokens)")
     tensors = read_gguf_tensors(gguf_path, config)
+    stages.done(f"{len(tensors)} tensors dequantized to fp32")
     tmp = out + ".tmp"
     os.makedirs(tmp, exist_ok=True)
     config.architectures = config.architectures or [_arch_class(config.model_type)]
     config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     save_file(tensors, os.path.join(tmp, "model.safetensors"))
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    stages.done(f"written ({size / 2**20:.0f} MiB of safetensors)")
     with open(os.path.join(tmp, CONVERTED_MARKER), "w") as f:
         json.dump({"gguf": os.path.abspath(gguf_path)}, f)
     if os.path.isdir(out):
@@ -144,10 +152,12 @@ def read_gguf_tensors(gguf_path: str, config) -> dict[str, torch.Tensor]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
+    from radixray.common.progress import counted
     reader = GGUFReader(gguf_path)
     permute = config.model_type in _PERMUTED_ARCHS
     out: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    for t in counted(reader.tensors, len(reader.tensors), "dequantizing GGUF tensors", logger,
+                     unit="tensors"):
         base, _, suffix = t.name.rpartition(".")
         parts = base.split(".")
         if parts[0] == "blk":

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 from radixray.engine.request import FinishReason, Req
 
+# The torch.distributed group a trainer's weight broadcast uses when the caller names none
+# (SGLang's default name); callers that never touch tensors import it from here.
+DEFAULT_GROUP = "weight_update_group"
+
 
 @dataclass(slots=True)
 class MetaInfo:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from radixray.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:  # the controller and the router read requests' messages without torch
+    import torch
 
 
 @dataclass

@@ -30,12 +30,12 @@ from collections.abc import Iterable
 
 import torch
 
+from radixray.engine.messages import DEFAULT_GROUP  # noqa: F401 - part of this module's API
 from radixray.engine.weight_layout import Prepared, Undo, WeightLayout, WeightStage
 from radixray.engine.weight_sync import broadcast, close_group, dtype_from_name, open_group
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_GROUP = "weight_update_group"
 
 
 def check_version(version, current: int) -> int:

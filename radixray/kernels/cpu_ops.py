@@ -3,11 +3,11 @@
 The same extension carries the quantize / rescale halves of the int8 linear
 (csrc/int8_ops.cpp, used by ``int8_linear.Int8Linear``).
 
-The extension is compiled on first use with torch's cpp_extension (cached under
-~/.cache/radixray/torch_extensions, one folder per source tree and torch version,
-about a minute once per machine and checkout). Where it cannot be built (no
-compiler, no AVX2) or an input is not fp32 on the CPU, every op falls back to its
-reference, and the choice is logged once.
+The extension is compiled on first use with torch's cpp_extension, cached under
+~/.cache/radixray/torch_extensions in one folder per source contents, torch and Python
+version and flags: about a minute once per machine, whatever the checkout or venv.
+Where it cannot be built (no compiler, no AVX2) or an input is not fp32 on the CPU,
+every op falls back to its reference, and the choice is logged once.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import sys
 import threading
 import time
 
@@ -45,20 +46,16 @@ def load_extension():
             logger.info("CPU kernels need AVX2; using torch ops")
             return None
         try:
-            from torch.utils.cpp_extension import load
             csrc = os.path.join(os.path.dirname(__file__), "csrc")
-            sources = [os.path.join(csrc, name) for name in (
-                "cpu_ops.cpp", "attention.cpp", "attention_amx.cpp", "decode_avx512.cpp", "int8_ops.cpp",
-                "int8_vnni.cpp", "kv_store.cpp")]
-            cflags = CFLAGS
-            build_dir = _build_directory(csrc, cflags)
-            cached = any(f.endswith(".so") for f in os.listdir(build_dir))
-            logger.info("%s radixray CPU kernels (%s)", "Loading" if cached else "Compiling",
-                        build_dir if cached else "once per machine and source version, ~1 min")
+            build_dir = _build_directory(csrc, CFLAGS)
+            built = os.path.exists(os.path.join(build_dir, BUILT_MARKER))
+            logger.info("%s radixray CPU kernels (%s)", "Loading" if built else "Compiling",
+                        build_dir if built else "once per machine and source version, ~1 min")
             t0 = time.perf_counter()
-            with _build_lock(build_dir):
-                load(name="radixray_cpu_ops", sources=sources, build_directory=build_dir,
-                     extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False)
+            with _build_lock(build_dir):  # a process that built meanwhile wrote the marker
+                if not os.path.exists(os.path.join(build_dir, BUILT_MARKER)):
+                    _compile(csrc, build_dir)
+                torch.ops.load_library(os.path.join(build_dir, LIBRARY))
             _ext = torch.ops.radixray
             logger.info("radixray CPU kernels ready in %.1f s", time.perf_counter() - t0)
         except Exception as exc:  # no compiler / headers: stay correct, just slower
@@ -68,14 +65,39 @@ def load_extension():
 
 
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+SOURCES = ("cpu_ops.cpp", "attention.cpp", "attention_amx.cpp", "decode_avx512.cpp",
+           "int8_ops.cpp", "int8_vnni.cpp", "kv_store.cpp")
+LIBRARY = "radixray_cpu_ops.so"
+BUILT_MARKER = "radixray.built"  # written after a build succeeded: later loads only dlopen
+
+
+def _compile(csrc: str, build_dir: str) -> None:
+    """Build the library in ``build_dir`` from a copy of ``csrc`` kept there: torch's ninja
+    rebuilds whenever a source path or the command line changes, so a build made from
+    this checkout's paths would be redone by every other checkout and venv. The copy
+    and the marker make the folder (keyed by the sources' contents) the only input."""
+    import shutil
+
+    from torch.utils.cpp_extension import load
+    src = os.path.join(build_dir, "src")
+    os.makedirs(src, exist_ok=True)
+    for name in os.listdir(csrc):
+        shutil.copy2(os.path.join(csrc, name), os.path.join(src, name))
+    with _compile_ticker(build_dir, len(SOURCES)):
+        load(name="radixray_cpu_ops", sources=[os.path.join(src, n) for n in SOURCES],
+             build_directory=build_dir, extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+             verbose=False)
+    with open(os.path.join(build_dir, BUILT_MARKER), "w") as f:
+        f.write(torch.__version__ + "\n")
 
 
 def _build_directory(csrc: str, cflags: list[str] = CFLAGS) -> str:
-    """One build folder per version of the kernel sources (their contents), torch version
-    and flags: checkouts with the same sources on one machine share one build (a fresh
+    """One build folder per version of the kernel sources (their contents), torch and
+    Python version and flags: checkouts with the same sources on one machine share one build (a fresh
     clone does not compile again), and a checkout with edited sources never rebuilds over
     another's."""
-    digest = hashlib.sha1(f"{torch.__version__}|{' '.join(cflags)}".encode())
+    digest = hashlib.sha1(f"{torch.__version__}|{sys.version_info[:2]}|{' '.join(cflags)}"
+                          .encode())
     for name in sorted(os.listdir(csrc)):
         with open(os.path.join(csrc, name), "rb") as f:
             digest.update(name.encode() + b"\0" + f.read())
@@ -84,6 +106,17 @@ def _build_directory(csrc: str, cflags: list[str] = CFLAGS) -> str:
     path = os.path.join(root, "torch_extensions", f"radixray_cpu_ops-{key}")
     os.makedirs(path, exist_ok=True)
     return path
+
+
+def _compile_ticker(build_dir: str, sources: int):
+    """While a compile runs, a line every 10 s: sources compiled so far (their object
+    files in ``build_dir``) and the time spent."""
+    from radixray.common.progress import Ticker
+
+    def message(elapsed: float) -> str:
+        done = sum(name.endswith(".o") for name in os.listdir(build_dir))
+        return f"compiling radixray CPU kernels: {done}/{sources} sources done ({elapsed:.0f} s)"
+    return Ticker(message, logger, 10.0)
 
 
 class _build_lock:

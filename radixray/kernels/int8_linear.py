@@ -33,9 +33,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from radixray.kernels import QUANTIZATIONS
 from radixray.kernels.cpu_ops import load_extension
 
-QUANTIZATIONS = (None, "w8a8_int8")
 _QMAX = 127.0
 # Rows up to which the C++ int8 kernel beats torch._int_mm when the weights come from
 # memory: 120 model-sized GEMMs took 3.9 / 4.3 / 5.3 / 9.6 ms against 6.3 / 8.2 / 8.8 /

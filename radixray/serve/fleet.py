@@ -40,11 +40,13 @@ def find_router(cfg: ServeConfig):
         return None
 
 
-def start_heartbeats(controller, owner: str, interval_s: float):
+def start_heartbeats(controller, owner: str, interval_s: float, families=None):
     """Tell ``controller`` every ``interval_s`` that ``owner`` (an ingress replica, a job)
     still uses it: a daemon thread that beats while the replica's constructor blocks and
-    dies with the process. Returns a ``threading.Event``: set it to stop beating. It also
-    stops once this process has left Ray (a remote call would start a new local Ray)."""
+    dies with the process. ``families``: a callable whose Prometheus families ride along
+    (an ingress replica's HTTP series; the controller serves them on every replica's
+    /metrics). Returns a ``threading.Event``: set it to stop beating. It also stops once
+    this process has left Ray (a remote call would start a new local Ray)."""
     import threading
 
     import ray
@@ -53,7 +55,7 @@ def start_heartbeats(controller, owner: str, interval_s: float):
     def beat() -> None:
         while not stop.is_set() and ray.is_initialized():
             try:
-                controller.heartbeat.remote(owner)
+                controller.heartbeat.remote(owner, families() if families else None)
             except Exception:  # noqa: BLE001 - the controller may be restarting; keep beating
                 pass
             stop.wait(interval_s)

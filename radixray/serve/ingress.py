@@ -19,6 +19,7 @@ session affinity on, requests of one session go to one worker.
 import asyncio
 import gc
 import logging
+import threading
 import time
 import uuid
 
@@ -29,7 +30,9 @@ from ray import serve
 
 from radixray.cluster.config import ServeConfig
 from radixray.serve import native_serving, openai_serving
+from radixray.serve.auth import AuthMiddleware, AuthPolicy, install_policy
 from radixray.serve.frontend import ApiError, Frontend, api_error_from
+from radixray.serve.http_metrics import HttpMetricsMiddleware, replica_metrics
 from radixray.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -46,6 +49,8 @@ from radixray.serve.protocol import (
 logger = logging.getLogger("radixray.ingress")
 
 app = FastAPI(title="radixray", description="OpenAI-compatible and native LLM serving")
+app.add_middleware(AuthMiddleware)
+app.add_middleware(HttpMetricsMiddleware)  # around the key check: refused requests count too
 HEALTH_PROMPT = "The capital city of France is"
 
 
@@ -89,6 +94,12 @@ async def _on_unexpected(request: Request, exc: Exception):
     return JSONResponse(err.body(), status_code=err.status)
 
 
+def _import_tokenizer_libraries() -> None:
+    import transformers  # noqa: F401
+
+    import radixray.engine.loader  # noqa: F401
+
+
 def _respond(result):
     if isinstance(result, (dict, list)):
         return JSONResponse(result)
@@ -103,17 +114,24 @@ class Ingress:
         import ray
 
         from radixray.cluster.metrics import FleetCollector
-        from radixray.engine.loader import resolve_model
         from radixray.serve.dispatch import Dispatcher
         from radixray.serve.fleet import find_router, get_or_create_controller, start_heartbeats
 
         self.cfg = ServeConfig.parse(config)
+        install_policy(AuthPolicy.from_server(self.cfg.server))
         logging.basicConfig(level=self.cfg.server.log_level.upper(),
                             format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
         self.controller = get_or_create_controller(self.cfg)
-        start_heartbeats(self.controller, f"ingress-{uuid.uuid4().hex[:8]}",
-                         min(5.0, self.cfg.fleet.owner_timeout_s / 4))
+        # torch and transformers take seconds to import: do it while the workers load
+        libraries = threading.Thread(target=_import_tokenizer_libraries, daemon=True)
+        libraries.start()
+        self.http_metrics = replica_metrics()
+        self.owner = self.http_metrics.replica = f"ingress-{uuid.uuid4().hex[:8]}"
+        start_heartbeats(self.controller, self.owner, min(5.0, self.cfg.fleet.owner_timeout_s / 4),
+                         families=self.http_metrics.families)
         info = ray.get(self.controller.start.remote())  # waits for the workers to load
+        libraries.join()
+        from radixray.engine.loader import resolve_model
         tokenizer = resolve_model(info.model).tokenizer
         from radixray.serve.pd_dispatch import PDDispatcher
         dispatcher_class = PDDispatcher if self.cfg.fleet.disaggregated else Dispatcher
@@ -316,8 +334,10 @@ class Ingress:
 
     @app.get("/metrics")
     async def metrics(self):
-        """Every live worker's series, the router's and the controller's, on one page."""
+        """Every live worker's series, the router's, the controller's and every ingress
+        replica's HTTP series (this one's as of now), on one page."""
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        await self.controller.heartbeat.remote(self.owner, self.http_metrics.families())
         self.collector.update(await self.controller.metric_families.remote())
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -29,6 +29,7 @@ _FLAG_FIELDS = {
     "log_level": ("server", "log_level"),
     "workers": ("fleet", "workers"), "router_policy": ("router", "policy"),
     "prefill_workers": ("fleet", "prefill_workers"), "decode_workers": ("fleet", "decode_workers"),
+    "api_key": ("server", "api_key"), "admin_api_key": ("server", "admin_api_key"),
 }
 
 
@@ -54,6 +55,10 @@ def add_parser(sub) -> None:
     p.add_argument("--router-policy",
                    choices=POLICIES,
                    help="how requests are spread over the workers (default cache_aware)")
+    p.add_argument("--api-key", help="key the OpenAI and native APIs ask for (Authorization: "
+                   "Bearer); default RADIXRAY_API_KEY, else open")
+    p.add_argument("--admin-api-key", help="key every control route asks for; default "
+                   "RADIXRAY_ADMIN_API_KEY, else control routes answer on a loopback host only")
     p.add_argument("--address", help="join a running Ray cluster (default: start a local one)")
     p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray instance")
     p.add_argument("--drain-timeout", type=float, default=None,

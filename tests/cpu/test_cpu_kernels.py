@@ -146,3 +146,28 @@ def test_checkouts_with_the_same_sources_share_one_build(tmp_path):
     with open(clone / "kv_store.cpp", "a") as f:
         f.write("\n// edited\n")
     assert cpu_ops._build_directory(csrc) != cpu_ops._build_directory(str(clone))
+
+
+def test_another_checkout_loads_the_build_without_compiling(tmp_path):
+    """The issue's case: a second checkout (another path, another venv's ninja command)
+    used to rebuild everything. The same sources anywhere load the machine's build."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    package = os.path.dirname(os.path.dirname(cpu_ops.__file__))
+    assert cpu_ops.load_extension() is not None  # the build exists
+    build = cpu_ops._build_directory(os.path.join(package, "kernels", "csrc"))
+    library = os.path.join(build, cpu_ops.LIBRARY)
+    before = os.stat(library).st_mtime_ns
+    shutil.copytree(package, tmp_path / "radixray", ignore=shutil.ignore_patterns("__pycache__"))
+    code = ("import logging, radixray; logging.basicConfig(level='INFO')\n"
+            f"assert radixray.__file__.startswith({str(tmp_path)!r}), radixray.__file__\n"
+            "from radixray.kernels.cpu_ops import load_extension\n"
+            "assert load_extension() is not None\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"Loading radixray CPU kernels ({build})" in out.stderr, out.stderr[-3000:]
+    assert "compiling" not in out.stderr.lower()
+    assert os.stat(library).st_mtime_ns == before

@@ -358,21 +358,3 @@ def test_fleet_survives_the_loss_of_an_ingress_replica(fleet):
     assert r.status_code == 200, r.text
     assert _controller()._actor_id == controller_id
     assert {w["worker_id"]: w["started_at"] for w in _state(fleet)["workers"]} == before
-
-
-def test_deleting_the_app_stops_the_fleet(fleet):
-    """The controller is detached (no ingress replica's death takes the fleet down), so it
-    must notice when its app is gone: without heartbeats it stops the workers and exits."""
-    import ray
-    from ray import serve
-    controller = _controller()
-    workers = [e.handle for e in ray.get(controller.live_workers.remote())]
-    assert len(workers) == 2
-    serve.delete("radixray")
-    deadline = time.monotonic() + OWNER_TIMEOUT_S + 20
-    while _controller() is not None:
-        assert time.monotonic() < deadline, "the controller outlived its app"
-        time.sleep(0.5)
-    for handle in workers:
-        with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(handle.ping.remote(), timeout=30)

@@ -1,4 +1,4 @@
-"""Imports point one way: kernels <- engine <- cluster <- actors <- serve <- rl <- bench / cli.
+"""Imports point one way: common <- kernels <- engine <- cluster <- actors <- serve <- rl <- bench / cli.
 
 Every ``import`` in a module counts, the lazy ones inside functions too, so a layer
 cannot reach upwards by deferring the import. The kernels take tensors only, and the
@@ -15,8 +15,8 @@ import pytest
 import radixray
 
 ROOT = pathlib.Path(radixray.__file__).parent
-ORDER = ["kernels", "engine", "cluster", "actors", "serve", "rl", "bench", "cli"]
-RAY_FREE = {"kernels", "engine"}
+ORDER = ["common", "kernels", "engine", "cluster", "actors", "serve", "rl", "bench", "cli"]
+RAY_FREE = {"common", "kernels", "engine"}
 
 
 def _layer(module: str) -> str | None:
@@ -72,12 +72,13 @@ def test_imports_point_down_the_layers(name, path):
 
 
 def test_importing_the_kernels_and_the_engine_loads_nothing_above_them():
-    """The same at run time: import every kernels and engine module in a fresh process."""
+    """The same at run time: import every common, kernels and engine module in a fresh
+    process."""
     names = [n for n, _ in MODULES if _layer(n) in RAY_FREE]
     code = ("import sys\n" + "".join(f"import {n}\n" for n in names)
             + "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('radixray.')}))\n"
             + "print('ray' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300, check=True).stdout.split("\n")
-    assert out[0] == "['engine', 'kernels']", out
+    assert out[0] == "['common', 'engine', 'kernels']", out
     assert out[1] == "False"

@@ -1,7 +1,7 @@
 """`radixray serve` as users run it (direct ingress: HTTP straight into the ingress replica):
-the APIs, a disconnect returning its KV, SIGTERM draining; `ray job submit` against a local head."""
+the APIs, a disconnect returning its KV, SIGTERM draining. `serve run`, `serve deploy` and
+`ray job submit`: tests/cpu/test_deploy_run.py."""
 
-import json
 import os
 import signal
 import subprocess
@@ -10,11 +10,31 @@ import threading
 import time
 
 import httpx
-import pytest
 from serving_helpers import RAY_ENV, assert_disconnect_returns_kv, free_port, metric, wait_ready
 
 ENV = {**os.environ, **RAY_ENV}
-RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+
+
+API_KEY, ADMIN_KEY = "sk-test-api-key-1", "sk-test-admin-key-1"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+def _check_keys(base: str) -> None:
+    """--api-key / --admin-api-key through the real server: the probes and /metrics stay
+    open, the API takes either key, control routes only the admin key."""
+    from openai import AuthenticationError, OpenAI
+    assert httpx.get(f"{base}/health").status_code == 200
+    assert httpx.get(f"{base}/metrics").status_code == 200
+    no_key = httpx.post(f"{base}/generate", json={"text": "hi"})
+    assert no_key.status_code == 401 and no_key.json()["error"]["code"] == "invalid_api_key"
+    api = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.post(f"{base}/flush_cache", headers=api).status_code == 401
+    assert httpx.post(f"{base}/flush_cache", headers=ADMIN).status_code == 200
+    try:
+        OpenAI(base_url=f"{base}/v1", api_key="sk-wrong-key", max_retries=0).models.list()
+        raise AssertionError("a wrong key was accepted")
+    except AuthenticationError as exc:
+        assert exc.status_code == 401
 
 
 def _check_direct_ingress_serving(base: str) -> None:
@@ -22,7 +42,7 @@ def _check_direct_ingress_serving(base: str) -> None:
     the openai client streams, bad input is a 400 naming the field, a repeated prompt is
     cached, a disconnect aborts its request and returns its KV."""
     from openai import BadRequestError, OpenAI
-    client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    client = OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0)
     chat = [{"role": "user", "content": "the cat sat on the mat"}]
     stream = client.chat.completions.create(model="tiny", messages=chat, max_tokens=8,
                                             temperature=0, stream=True)
@@ -35,7 +55,7 @@ def _check_direct_ingress_serving(base: str) -> None:
         raise AssertionError("negative max_tokens was accepted")
     except BadRequestError as exc:
         assert exc.status_code == 400 and "max_tokens" in str(exc)
-    assert_disconnect_returns_kv(base)
+    assert_disconnect_returns_kv(base, ADMIN)
 
 
 def _wait_for_line(path, text: str, proc, timeout: float = 300) -> None:
@@ -54,17 +74,19 @@ def test_sigterm_drains_in_flight_request_then_exits_zero(tiny_llama_dir, tmp_pa
     proc = subprocess.Popen(
         [sys.executable, "-m", "radixray.cli", "serve", "--model", tiny_llama_dir, "--port",
          str(port), "--dtype", "float32", "--max-total-tokens", "4096", "--num-cpus", "2",
-         "--served-model-name", "tiny"], stdout=log, stderr=subprocess.STDOUT, env=ENV)
+         "--served-model-name", "tiny", "--api-key", API_KEY], stdout=log,
+        stderr=subprocess.STDOUT, env={**ENV, "RADIXRAY_ADMIN_API_KEY": ADMIN_KEY})
     try:
         wait_ready(base)
         # The CLI prints its ready line after its own /ready poll sees 200, which can come
         # after ours: a SIGTERM before it would (rightly) skip the line this test reads.
         _wait_for_line(tmp_path / "serve.log", "radixray is ready", proc)
+        _check_keys(base)
         _check_direct_ingress_serving(base)
         result = {}
 
         def long_request():
-            result["r"] = httpx.post(f"{base}/generate", timeout=300, json={
+            result["r"] = httpx.post(f"{base}/generate", timeout=300, headers=ADMIN, json={
                 "text": "the cat", "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}})
         t = threading.Thread(target=long_request)
         t.start()
@@ -76,7 +98,8 @@ def test_sigterm_drains_in_flight_request_then_exits_zero(tiny_llama_dir, tmp_pa
         while t.is_alive():
             statuses.add(httpx.get(f"{base}/health", timeout=10).status_code)
             if 503 in statuses and refused is None:
-                refused = httpx.post(f"{base}/generate", json={"text": "hi"}, timeout=10)
+                refused = httpx.post(f"{base}/generate", json={"text": "hi"}, headers=ADMIN,
+                                     timeout=10)
             time.sleep(0.05)
         t.join()
         assert 503 in statuses, statuses
@@ -93,50 +116,7 @@ def test_sigterm_drains_in_flight_request_then_exits_zero(tiny_llama_dir, tmp_pa
         log.close()
     text = (tmp_path / "serve.log").read_text()
     assert "Gracefully exiting" in text
+    assert API_KEY not in text and ADMIN_KEY not in text  # keys never reach a log
     # one ingress replica: HTTP goes straight into it, Serve's proxy idles on another port
     assert f"ingress: direct on port {port} (Serve's proxy idles on" in text, text
     assert f"radixray is ready: {base}  (model \"tiny\", direct ingress)" in text, text
-
-
-JOB_SCRIPT = """
-import json, sys, httpx, ray
-from ray import serve
-import radixray
-model, port = sys.argv[1], int(sys.argv[2])
-ray.init(address="auto", namespace="radixray")
-serve.start(http_options={"host": "127.0.0.1", "port": port})
-app = radixray.build_app({"engine": {"model": model, "dtype": "float32", "max_total_tokens": 2048},
-                          "server": {"port": port, "served_model_name": "tiny"}})
-serve.run(app, name="radixray", route_prefix="/")
-r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
-               json={"model": "tiny", "prompt": "the cat", "max_tokens": 4, "temperature": 0})
-print("JOB_RESULT", json.dumps(r.json()["usage"]))
-serve.shutdown()
-"""
-
-
-@pytest.mark.slow  # ~1 min (a Ray head, its dashboard's job agent, a job): make test-slow
-def test_ray_job_submit_builds_the_app_and_answers(tiny_llama_dir, tmp_path):
-    gcs, dash, http = free_port(), free_port(), free_port()
-    script = tmp_path / "job.py"
-    script.write_text(JOB_SCRIPT)
-    subprocess.run([RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
-                    "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
-                    "--dashboard-port", str(dash), "--num-cpus", "2", "--disable-usage-stats",
-                    "--object-store-memory", str(256 * 1024 ** 2)],
-                   env=ENV, check=True, capture_output=True, timeout=180)
-    try:
-        deadline = time.monotonic() + 420
-        while True:  # `ray start` returns before the dashboard's job agent takes jobs
-            out = subprocess.run([RAY, "job", "submit", "--address", f"http://127.0.0.1:{dash}",
-                                  "--", sys.executable, str(script), tiny_llama_dir, str(http)],
-                                 env=ENV, capture_output=True, text=True, timeout=600)
-            if "No available agent" not in out.stderr or time.monotonic() > deadline:
-                break
-            time.sleep(1.0)
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        line = next(x for x in out.stdout.splitlines() if x.startswith("JOB_RESULT"))
-        usage = json.loads(line.split(" ", 1)[1])
-        assert usage["completion_tokens"] == 4 and usage["prompt_tokens"] > 0
-    finally:
-        subprocess.run([RAY, "stop", "--force"], env=ENV, capture_output=True, timeout=120)

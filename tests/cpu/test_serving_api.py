@@ -20,7 +20,9 @@ PROMPTS = ["the cat sat", "hello world, the quick brown fox", "a b c"]
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    with served(tiny_config(tiny_llama_dir, free_port())) as base:
+    # SLO targets no run can miss: every finished request is goodput (the edges are unit-tested)
+    with served(tiny_config(tiny_llama_dir, free_port(), slo_ttft_s=3600.0,
+                            slo_tpot_s=3600.0)) as base:
         yield base
         kv = httpx.get(f"{base}/debug/kv_conservation", timeout=60).json()["worker-0"]
         assert kv["running"] == 0 and kv["waiting"] == 0
@@ -165,6 +167,11 @@ def test_metrics_move_by_the_request(server):
     assert metric(after, "radixray:startup_seconds") >= metric(
         after, "radixray:weight_load_seconds") > 0
     assert delta("radixray:time_per_output_token_seconds_count") == 2
+    assert delta("radixray:goodput_requests_total") == 2
+    assert metric(after, "radixray:slo_target_seconds", slo="ttft") == 3600.0
+    # the ingress' own series: the two requests by route template and status
+    assert delta("radixray:http_request_duration_seconds_count", route="/generate",
+                 method="POST", status="200") == 2
 
 
 LONG = "the cat sat on the mat " * 300  # over the tiny model's 1024-token context

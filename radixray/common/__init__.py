@@ -1,0 +1,1 @@
+"""Helpers every layer may use: no torch, no Ray, no radixray imports."""
