@@ -122,7 +122,8 @@ class Controller:
             self.cfg.engine_options_for(rec.role), rec.worker_id, s.warmup, s.log_level,
             cores_shared_by=self._workers_per_node(), niceness=s.worker_niceness,
             fleet=ray.get_runtime_context().current_actor if rec.role != "unified" else None,
-            compute_nice_offset=s.pd_compute_nice_offset, slo=(s.slo_ttft_s, s.slo_tpot_s))
+            compute_nice_offset=s.pd_compute_nice_offset, slo=(s.slo_ttft_s, s.slo_tpot_s),
+            max_queued_requests=s.max_queued_requests, retry_after_s=s.queue_full_retry_after_s)
         rec.set_state("starting")
         rec.weight_version = 0
         rec.started_at = time.time()

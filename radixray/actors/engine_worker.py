@@ -23,7 +23,7 @@ import time
 from concurrent.futures import Future
 
 from radixray.actors.niceness import set_niceness
-from radixray.cluster.errors import WorkerDraining, WorkerUnavailable
+from radixray.cluster.errors import WorkerDraining, WorkerQueueFull, WorkerUnavailable
 from radixray.cluster.messages import ChannelState, SubmitRequest, WorkerInfo, WorkerLoad
 from radixray.cluster.metrics import WorkerMetrics, scheduler_snapshot
 from radixray.cluster.shared_weights import SharedWeightsHandle, read_shared
@@ -45,7 +45,8 @@ class EngineWorker:
 
     def __init__(self, engine_options: dict, worker_id: str = "worker-0", warmup: bool = True,
                  log_level: str = "INFO", cores_shared_by: int = 1, niceness: int | None = 0,
-                 fleet=None, compute_nice_offset: int = 0, slo: tuple[float, float] = (2.0, 0.1)):
+                 fleet=None, compute_nice_offset: int = 0, slo: tuple[float, float] = (2.0, 0.1),
+                 max_queued_requests: int | None = None, retry_after_s: int = 1):
         """``cores_shared_by``: how many workers share this node's cores; without an explicit
         ``num_threads`` each gets an equal share (at least one thread). ``niceness``: what
         this process's threads are set to before the engine starts (see actors/niceness.py;
@@ -53,7 +54,9 @@ class EngineWorker:
         decode worker finds the other worker of each pair. ``compute_nice_offset``: a
         prefill or decode worker runs its forward passes this much nicer than its other
         threads, so the KV transfer's threads get a busy core when they need it. ``slo``: the
-        (TTFT, TPOT) targets in seconds that goodput is counted against."""
+        (TTFT, TPOT) targets in seconds that goodput is counted against.
+        ``max_queued_requests``: past this many requests waiting for admission, submit
+        refuses new ones (WorkerQueueFull, ``retry_after_s`` for the client)."""
         logging.basicConfig(level=log_level.upper(), format="[%(asctime)s] %(message)s",
                             datefmt="%Y-%m-%d %H:%M:%S")
         constructed = time.perf_counter()
@@ -79,6 +82,7 @@ class EngineWorker:
         if self.engine.pd is not None and compute_nice_offset:
             self._lower_compute_priority(compute_nice_offset)
         self.metrics = WorkerMetrics(worker_id, *slo)
+        self.max_queued_requests, self.retry_after_s = max_queued_requests, retry_after_s
         self.pd_metrics = None
         if self.engine.pd is not None:
             from radixray.cluster.pd_metrics import PDMetrics
@@ -156,6 +160,7 @@ class EngineWorker:
         entry = self._channels.get(channel_id)
         if entry is None:
             raise RuntimeError(f"channel {channel_id!r} is not open; call stream() first")
+        self._check_queue(len(requests))
         reqs = []
         for r in requests:
             built, _ = build_requests(None, r.input_ids, r.sampling_params,
@@ -169,6 +174,20 @@ class EngineWorker:
         except EngineFailed as exc:
             raise WorkerUnavailable(f"engine worker {self.worker_id}: {exc}") from None
         rids.update(r.rid for r in reqs)
+
+    def _check_queue(self, incoming: int) -> None:
+        """WorkerQueueFull when the requests waiting for admission (the scheduler's queue
+        and its inbox not yet drained) would pass server.max_queued_requests."""
+        limit = self.max_queued_requests
+        if limit is None:
+            return
+        scheduler = self.engine.scheduler
+        queued = len(scheduler.waiting) + scheduler.inbox.qsize()
+        if queued + incoming > limit:
+            raise WorkerQueueFull(
+                f"worker {self.worker_id} has {queued} requests waiting for admission "
+                f"(server.max_queued_requests={limit}); retry in {self.retry_after_s} s",
+                self.retry_after_s)
 
     async def abort(self, rids: list[str]) -> None:
         for rid in rids:

@@ -117,6 +117,16 @@ class ServerSection(BaseModel):
     admin_api_key: SecretStr | None = None
     open_routes: list[str] = Field(  # answered without any key
         default_factory=lambda: ["/health", "/health_generate", "/ready", "/metrics"])
+    # limits on one request (serve/limits.py): a larger one is refused with a 4xx naming the
+    # field and the bound before any work starts
+    max_request_body_bytes: int = Field(32 * 2**20, ge=1024)
+    max_n: int = Field(64, ge=1, le=4096)  # choices per request
+    max_stop_sequences: int = Field(16, ge=0, le=1024)
+    max_top_logprobs: int = Field(20, ge=0, le=1024)
+    # backpressure: a worker with this many requests waiting for admission refuses new ones
+    # with 503 and Retry-After (after trying the fleet's other workers); None: no bound
+    max_queued_requests: int | None = Field(1024, ge=1)
+    queue_full_retry_after_s: int = Field(1, ge=0, le=3600)
 
     @model_validator(mode="after")
     def _keys_from_the_environment(self) -> ServerSection:

@@ -7,6 +7,19 @@ class WorkerDraining(RuntimeError):
     """The worker finishes what it has and takes no new requests (HTTP 503)."""
 
 
+class WorkerQueueFull(WorkerDraining):
+    """The worker's queue of requests waiting for admission is at server.max_queued_requests:
+    it refuses new ones at once (HTTP 503 with Retry-After) instead of queueing them for
+    minutes. A WorkerDraining, so dispatchers try another worker first."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):  # through Ray: keep retry_after_s
+        return type(self), (str(self), self.retry_after_s)
+
+
 class WorkerUnavailable(RuntimeError):
     """The worker cannot be reached (dead, not started, stream closed) (HTTP 503)."""
 

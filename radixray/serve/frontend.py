@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from radixray.cluster.errors import WorkerDraining, WorkerUnavailable
+from radixray.cluster.errors import WorkerDraining, WorkerQueueFull, WorkerUnavailable
 from radixray.cluster.messages import SubmitRequest, WorkerInfo
 from radixray.engine.detokenizer import IncrementalDetokenizer
 from radixray.engine.messages import MetaInfo, RequestUpdate
@@ -24,9 +24,11 @@ class ApiError(Exception):
     """An error the client caused or must react to, rendered as an OpenAI-style error body."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -39,6 +41,9 @@ def api_error_from(exc: BaseException) -> ApiError:
         return exc
     if isinstance(exc, ValueError):
         return ApiError(400, str(exc))
+    if isinstance(exc, WorkerQueueFull):
+        return ApiError(503, str(exc), type="service_unavailable", code="queue_full",
+                        headers={"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, WorkerDraining):
         return ApiError(503, "the server is draining and takes no new requests; retry elsewhere",
                         type="service_unavailable", code="draining")
@@ -96,7 +101,10 @@ class Frontend:
     """Everything an HTTP handler needs from this ingress replica."""
 
     def __init__(self, tokenizer, info: WorkerInfo, served_model_name: str,
-                 dispatcher: Dispatcher, enable_cache_report: bool = True):
+                 dispatcher: Dispatcher, enable_cache_report: bool = True, limits=None):
+        """``limits``: a :class:`radixray.serve.limits.RequestLimits` (default: its defaults)."""
+        from radixray.serve.limits import RequestLimits
+        self.limits = limits or RequestLimits()
         self.tokenizer = tokenizer
         self.context_len = info.context_len
         self.vocab_size = info.vocab_size

@@ -33,6 +33,7 @@ from radixray.serve import native_serving, openai_serving
 from radixray.serve.auth import AuthMiddleware, AuthPolicy, install_policy
 from radixray.serve.frontend import ApiError, Frontend, api_error_from
 from radixray.serve.http_metrics import HttpMetricsMiddleware, replica_metrics
+from radixray.serve.limits import BodySizeLimit, BodyTooLarge, RequestLimits, install_body_limit
 from radixray.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -49,7 +50,8 @@ from radixray.serve.protocol import (
 logger = logging.getLogger("radixray.ingress")
 
 app = FastAPI(title="radixray", description="OpenAI-compatible and native LLM serving")
-app.add_middleware(AuthMiddleware)
+app.add_middleware(BodySizeLimit)
+app.add_middleware(AuthMiddleware)  # around the body limit: no key, no body read
 app.add_middleware(HttpMetricsMiddleware)  # around the key check: refused requests count too
 HEALTH_PROMPT = "The capital city of France is"
 
@@ -84,7 +86,12 @@ async def _on_validation_error(request: Request, exc: RequestValidationError):
 
 @app.exception_handler(ApiError)
 async def _on_api_error(request: Request, exc: ApiError):
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+@app.exception_handler(BodyTooLarge)
+async def _on_body_too_large(request: Request, exc: BodyTooLarge):
+    return JSONResponse(exc.body(), status_code=413)
 
 
 @app.exception_handler(Exception)
@@ -119,6 +126,7 @@ class Ingress:
 
         self.cfg = ServeConfig.parse(config)
         install_policy(AuthPolicy.from_server(self.cfg.server))
+        install_body_limit(self.cfg.server.max_request_body_bytes)
         logging.basicConfig(level=self.cfg.server.log_level.upper(),
                             format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
         self.controller = get_or_create_controller(self.cfg)
@@ -138,7 +146,8 @@ class Ingress:
         dispatcher = dispatcher_class(self.controller, find_router(self.cfg),
                                 self.cfg.router.retry_max_attempts, self.cfg.router.retry_backoff_s)
         self.fe = Frontend(tokenizer, info, self.cfg.server.served_model_name, dispatcher,
-                           enable_cache_report=self.cfg.server.enable_cache_report)
+                           enable_cache_report=self.cfg.server.enable_cache_report,
+                           limits=RequestLimits.from_server(self.cfg.server))
         self.collector = FleetCollector()
         from prometheus_client import CollectorRegistry
         self.registry = CollectorRegistry(auto_describe=False)
@@ -146,6 +155,7 @@ class Ingress:
         self._ready = False
         self._start_lock: asyncio.Lock | None = None
         self._start_task: asyncio.Task | None = None
+        self._probe: asyncio.Future | None = None  # the /health_generate probe in flight
 
     async def _ensure_ready(self) -> bool:
         """Open the worker channel and warm the path up once (first call does the work)."""
@@ -242,10 +252,21 @@ class Ingress:
 
     @app.get("/health_generate")
     async def health_generate(self):
-        """Generate one token end to end; 503 with the reason if that fails or times out."""
+        """Generate one token end to end; 503 with the reason if that fails or times out.
+        One probe runs at a time: calls that arrive while it runs share its outcome, so
+        probes never pile up behind real work (and a timed-out one aborts its request)."""
         down = await self._not_serving()
         if down is not None:
             return down
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(self._probe_once())
+        detail = await asyncio.shield(self._probe)  # a caller that leaves keeps it running
+        if detail is not None:
+            return JSONResponse({"status": "unhealthy", "detail": detail}, status_code=503)
+        return Response(status_code=200)
+
+    async def _probe_once(self) -> str | None:
+        """None if one token came back in time, else why not."""
         try:
             await self._generate_one(self.cfg.server.health_check_timeout_s)
         except Exception as exc:  # noqa: BLE001 - a failed probe is a 503, and its request is gone
@@ -253,8 +274,8 @@ class Ingress:
                       if isinstance(exc, asyncio.TimeoutError)
                       else getattr(exc, "message", None) or str(exc) or type(exc).__name__)
             logger.warning("health_generate failed: %s", detail)
-            return JSONResponse({"status": "unhealthy", "detail": detail}, status_code=503)
-        return Response(status_code=200)
+            return detail
+        return None
 
     @app.post("/flush_cache")
     async def flush_cache(self):

@@ -58,6 +58,7 @@ def _result(fe: Frontend, c: Choice, with_logprobs: bool) -> dict:
 
 
 async def generate(fe: Frontend, req: GenerateRequest, session_id: str | None = None):
+    fe.limits.check_native(req)
     prompts, is_batch = _prompts(fe, req)
     params = _params(req, len(prompts))
     for ids, sp in zip(prompts, params):

@@ -87,6 +87,7 @@ def completion_logprobs(fe: Frontend, ids, lps, tops, offset: int = 0) -> dict:
 # ---- /v1/chat/completions ---------------------------------------------------------------
 async def chat_completion(fe: Frontend, req: ChatCompletionRequest, session_id: str | None = None):
     fe.check_model(req.model)
+    fe.limits.check_openai(req, "top_logprobs")
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     ids, text = fe.chat_ids(messages)
     max_tokens = fe.check_prompt(ids, req.max_completion_tokens or req.max_tokens, "messages")
@@ -161,6 +162,7 @@ def completion_prompts(fe: Frontend, prompt) -> list[list[int]]:
 
 async def completion(fe: Frontend, req: CompletionRequest, session_id: str | None = None):
     fe.check_model(req.model)
+    fe.limits.check_openai(req, "logprobs")
     if req.echo or req.suffix:
         raise ApiError(400, "echo and suffix are not supported", param="echo" if req.echo else "suffix")
     prompts = completion_prompts(fe, req.prompt)

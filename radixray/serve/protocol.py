@@ -12,7 +12,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from radixray.cluster.routing import PolicyName
 
-MAX_TOP_LOGPROBS = 20
 PauseMode = Literal["abort", "retract", "in_place"]
 MemoryTag = Literal["kv_cache", "weights"]
 
@@ -27,7 +26,7 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=64)
+    n: int = Field(1, ge=1)  # bounded by server.max_n (serve/limits.py)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -68,7 +67,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)  # bounded by server.max_top_logprobs
     echo: bool = False
     suffix: str | None = None
 
@@ -96,7 +95,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)  # bounded by server.max_top_logprobs
     max_completion_tokens: int | None = Field(None, ge=1)
 
 
@@ -110,7 +109,7 @@ class GenerateRequest(BaseModel):
     sampling_params: dict | None = None
     stream: bool = False
     return_logprob: bool = False
-    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs_num: int = Field(0, ge=0)  # bounded by server.max_top_logprobs
     rid: str | None = None
     priority: int | None = None
 

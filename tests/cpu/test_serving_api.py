@@ -16,13 +16,15 @@ from serving_helpers import (
 CHAT = [{"role": "system", "content": "You are terse."},
         {"role": "user", "content": "the cat sat on the mat"}]
 PROMPTS = ["the cat sat", "hello world, the quick brown fox", "a b c"]
+QUEUE_BOUND = 24
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
     # SLO targets no run can miss: every finished request is goodput (the edges are unit-tested)
+    # and a queue bound test_a_full_queue_is_refused_at_once_with_retry_after fills
     with served(tiny_config(tiny_llama_dir, free_port(), slo_ttft_s=3600.0,
-                            slo_tpot_s=3600.0)) as base:
+                            slo_tpot_s=3600.0, max_queued_requests=QUEUE_BOUND)) as base:
         yield base
         kv = httpx.get(f"{base}/debug/kv_conservation", timeout=60).json()["worker-0"]
         assert kv["running"] == 0 and kv["waiting"] == 0
@@ -267,3 +269,42 @@ def test_pause_and_continue_generation_on_the_whole_fleet(server):
     assert box["held"].json()["meta_info"]["completion_tokens"] == 3
     bad = httpx.post(f"{server}/pause_generation", json={"mode": "sideways"}, timeout=60)
     assert bad.status_code == 400 and "mode" in bad.json()["error"]["message"]
+
+
+def test_a_full_queue_is_refused_at_once_with_retry_after(server):
+    """With generation paused nothing is admitted: QUEUE_BOUND requests wait, the next one
+    is a 503 with Retry-After (not a wait), and the waiting ones all finish afterwards."""
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as c:
+            r = await c.post(f"{server}/pause_generation", json={"mode": "in_place"})
+            assert r.status_code == 200, r.text
+            try:
+                waiting = [asyncio.ensure_future(c.post(f"{server}/generate", json={
+                    "text": f"queued {i}", "sampling_params": {"max_new_tokens": 1}}))
+                    for i in range(QUEUE_BOUND)]
+                for _ in range(600):  # until the worker holds all of them
+                    text = (await c.get(f"{server}/metrics")).text
+                    if metric(text, "radixray:num_queue_reqs") == QUEUE_BOUND:
+                        break
+                    await asyncio.sleep(0.05)
+                refused = await c.post(f"{server}/generate", json={"text": "one too many"})
+            finally:
+                await c.post(f"{server}/continue_generation")
+            return refused, await asyncio.gather(*waiting)
+    refused, done = asyncio.run(main())
+    assert refused.status_code == 503, refused.text
+    assert refused.headers["retry-after"] == "1"
+    error = refused.json()["error"]
+    assert error["code"] == "queue_full" and "server.max_queued_requests=24" in error["message"]
+    assert [r.status_code for r in done] == [200] * QUEUE_BOUND
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    ({"prompt": "hi", "n": 65}, 400, "server.max_n"),
+    ({"prompt": "hi", "stop": [str(i) for i in range(17)]}, 400, "server.max_stop_sequences"),
+    ({"prompt": "hi", "logprobs": 21}, 400, "server.max_top_logprobs"),
+    ({"prompt": "x" * (33 * 2**20)}, 413, "server.max_request_body_bytes"),
+])
+def test_request_limits_through_the_app(server, body, status, needle):
+    r = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
+    assert r.status_code == status and needle in r.json()["error"]["message"], r.text
