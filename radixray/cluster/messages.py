@@ -75,6 +75,7 @@ class WorkerLoad:
     startup_seconds: float = 0.0  # the worker's constructor: model load, pool, warm-up
     weight_load_seconds: float = 0.0
     role: str = "unified"
+    kv_slot_leak: int = 0  # the last KV accounting audit's difference (engine/kv_audit.py)
     pd: dict | None = None  # prefill/decode: queues, failures, finished transfers (pd_metrics)
 
     def as_json(self) -> dict:

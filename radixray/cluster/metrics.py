@@ -42,7 +42,7 @@ def scheduler_snapshot(scheduler) -> WorkerLoad:
         prefill_cached_tokens=st.prefill_cached_tokens,
         num_retracted_reqs=st.num_retracted_reqs, num_aborted_reqs=st.num_aborted_reqs,
         failed_steps=scheduler.faults.total, engine_failed=scheduler.faults.failed is not None,
-        paused=scheduler.paused,
+        paused=scheduler.paused, kv_slot_leak=scheduler.kv_audit.leak,
         pd=side_snapshot(scheduler.pd) if scheduler.pd is not None else None)
 
 
@@ -140,7 +140,10 @@ class WorkerMetrics:
                 ("startup_seconds", snapshot.startup_seconds, "Seconds the worker took to start "
                  "(model load, KV pool, warm-up)."),
                 ("weight_load_seconds", snapshot.weight_load_seconds, "Seconds the model's "
-                 "weights took to load at start.")):
+                 "weights took to load at start."),
+                ("kv_slot_leak", snapshot.kv_slot_leak, "KV slots the last accounting audit "
+                 "could not place (pool - free - request-held - cache-held; 0 when sound; "
+                 "engine.kv_audit_interval_steps).")):
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["worker"])
             g.add_metric(w, float(value))
             out.append(g)

@@ -89,6 +89,9 @@ class EngineConfig:
         "127.0.0.1", "address this engine's transfer engine listens on")
     check_kv_conservation: bool = option(False, "assert the KV slot invariant after every "
                                          "step (tests)")
+    kv_audit_interval_steps: int = option(
+        256, "check the KV slot accounting every this many scheduler steps, in production "
+        "(counters only; radixray:kv_slot_leak; 0 turns it off)", ge=0)
     max_consecutive_failed_steps: int = option(3, "a fault in this many scheduler steps in a "
                                                "row fails the engine (requests then get 503 "
                                                "and a serving worker is restarted)", ge=1)

@@ -27,6 +27,7 @@ from radixray.engine.admission import (
 from radixray.engine.config import EngineConfig
 from radixray.engine.faults import BATCH_FAULT_STATUS, ENGINE_FAILED_STATUS, StepFaults, describe
 from radixray.engine.forward_batch import ForwardBatch
+from radixray.engine.kv_audit import KVAudit
 from radixray.engine.kv_manager import KVManager
 from radixray.engine.model_runner import ModelRunner
 from radixray.engine.policy import InBatchPrefixes, order_waiting
@@ -74,6 +75,7 @@ class Scheduler:
         self.on_output = on_output
         self.ratio = NewTokenRatio(config.schedule_conservativeness)
         self.stats = SchedulerStats()
+        self.kv_audit = KVAudit(config.kv_audit_interval_steps)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -183,6 +185,7 @@ class Scheduler:
         else:
             self.faults.note_success()
         self._batch = []
+        self.kv_audit.after_step(self)
         if self.on_step is not None:
             self.on_step(self)
 
@@ -242,11 +245,13 @@ class Scheduler:
         used = self.kv.pool_size - self.kv.available_tokens()
         return used, used / self.kv.pool_size
 
-    def check_kv_conservation(self) -> None:
+    def kv_holders(self) -> list[Req]:
+        """Every request that may hold KV slots now."""
         holders = self.running + ([self.chunked_req] if self.chunked_req else [])
-        if self.pd is not None:
-            holders = holders + self.pd.holders()
-        self.kv.check_conservation(holders)
+        return holders + self.pd.holders() if self.pd is not None else holders
+
+    def check_kv_conservation(self) -> None:
+        self.kv.check_conservation(self.kv_holders())
 
     def held_requests(self) -> list[Req]:
         """Every unfinished request the scheduler holds (queued, prefilling, running, and

@@ -161,7 +161,7 @@ def test_metrics_move_by_the_request(server):
     assert 'worker="worker-0"' in after
     for gauge in ("num_running_reqs", "num_queue_reqs", "token_usage", "gen_throughput",
                   "num_used_tokens", "max_total_num_tokens", "cache_hit_rate",
-                  "startup_seconds", "weight_load_seconds"):
+                  "startup_seconds", "weight_load_seconds", "kv_slot_leak"):
         assert f"radixray:{gauge}{{" in after
     assert metric(after, "radixray:max_total_num_tokens") == 4096  # the tiny config's pool
     assert metric(after, "radixray:num_used_tokens") == 0  # idle: cached prefixes are evictable
@@ -170,6 +170,7 @@ def test_metrics_move_by_the_request(server):
         after, "radixray:weight_load_seconds") > 0
     assert delta("radixray:time_per_output_token_seconds_count") == 2
     assert delta("radixray:goodput_requests_total") == 2
+    assert metric(after, "radixray:kv_slot_leak") == 0  # the production audit found no leak
     assert metric(after, "radixray:slo_target_seconds", slo="ttft") == 3600.0
     # the ingress' own series: the two requests by route template and status
     assert delta("radixray:http_request_duration_seconds_count", route="/generate",
