@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     weight_update.add_parser(bench_sub)
 
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve` re-runs itself with it
     _setup_logging(getattr(args, "log_level", None) or "info")
     return args.func(args)
 

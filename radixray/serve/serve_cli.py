@@ -88,6 +88,10 @@ def cmd_serve(args) -> int:
     except ConfigError as exc:
         print(f"radixray serve: {exc}")
         return 2
+    from radixray.serve.supervisor import run_supervised, supervised
+    argv = getattr(args, "argv", None)  # set by the `radixray` command (cli.main)
+    if argv is not None and not args.address and not supervised():
+        return run_supervised(argv)  # Ray's processes out of reach of a group signal
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -67,7 +67,8 @@ def _wait_for_line(path, text: str, proc, timeout: float = 300) -> None:
         time.sleep(0.1)
 
 
-def test_sigterm_drains_in_flight_request_then_exits_zero(tiny_llama_dir, tmp_path):
+def test_sigterm_to_the_process_group_drains_in_flight_request_then_exits_zero(
+        tiny_llama_dir, tmp_path):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w")
@@ -75,7 +76,8 @@ def test_sigterm_drains_in_flight_request_then_exits_zero(tiny_llama_dir, tmp_pa
         [sys.executable, "-m", "radixray.cli", "serve", "--model", tiny_llama_dir, "--port",
          str(port), "--dtype", "float32", "--max-total-tokens", "4096", "--num-cpus", "2",
          "--served-model-name", "tiny", "--api-key", API_KEY], stdout=log,
-        stderr=subprocess.STDOUT, env={**ENV, "RADIXRAY_ADMIN_API_KEY": ADMIN_KEY})
+        stderr=subprocess.STDOUT, env={**ENV, "RADIXRAY_ADMIN_API_KEY": ADMIN_KEY},
+        start_new_session=True)  # its own process group, signalled whole below
     try:
         wait_ready(base)
         # The CLI prints its ready line after its own /ready poll sees 200, which can come
@@ -92,7 +94,9 @@ def test_sigterm_drains_in_flight_request_then_exits_zero(tiny_llama_dir, tmp_pa
         t.start()
         while metric(httpx.get(f"{base}/metrics").text, "radixray:num_running_reqs") < 1:
             time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
+        # SIGTERM to the whole group, as `timeout`, container inits and service managers
+        # send it: Ray's own processes must survive it until the drain is over
+        os.killpg(proc.pid, signal.SIGTERM)
         statuses = set()
         refused = None
         while t.is_alive():
