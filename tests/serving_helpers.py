@@ -27,6 +27,20 @@ def tiny_config(model_dir: str, port: int, **server) -> dict:
             "server": {"port": port, "served_model_name": "tiny", **server}}
 
 
+def start_radixray_serve(model_dir: str, port: int, log, *flags: str, env: dict | None = None,
+                         max_total_tokens: int = 4096):
+    """`radixray serve` of a tiny fp32 model (served name "tiny") as users run it, in a
+    process group of its own; output to the open file ``log``. Returns the Popen."""
+    import subprocess
+    import sys
+    return subprocess.Popen(
+        [sys.executable, "-m", "radixray.cli", "serve", "--model", model_dir, "--port",
+         str(port), "--dtype", "float32", "--max-total-tokens", str(max_total_tokens),
+         "--num-cpus", "2", "--served-model-name", "tiny", *flags], stdout=log,
+        stderr=subprocess.STDOUT, env={**os.environ, **RAY_ENV, **(env or {})},
+        start_new_session=True)
+
+
 def start_local_ray():
     import ray
     os.environ.update(RAY_ENV)

@@ -4,16 +4,17 @@ the APIs, a disconnect returning its KV, SIGTERM draining. `serve run`, `serve d
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
-from serving_helpers import RAY_ENV, assert_disconnect_returns_kv, free_port, metric, wait_ready
-
-ENV = {**os.environ, **RAY_ENV}
-
+from serving_helpers import (
+    assert_disconnect_returns_kv,
+    free_port,
+    metric,
+    start_radixray_serve,
+    wait_ready,
+)
 
 API_KEY, ADMIN_KEY = "sk-test-api-key-1", "sk-test-admin-key-1"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -72,12 +73,9 @@ def test_sigterm_to_the_process_group_drains_in_flight_request_then_exits_zero(
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "radixray.cli", "serve", "--model", tiny_llama_dir, "--port",
-         str(port), "--dtype", "float32", "--max-total-tokens", "4096", "--num-cpus", "2",
-         "--served-model-name", "tiny", "--api-key", API_KEY], stdout=log,
-        stderr=subprocess.STDOUT, env={**ENV, "RADIXRAY_ADMIN_API_KEY": ADMIN_KEY},
-        start_new_session=True)  # its own process group, signalled whole below
+    # in a process group of its own, signalled whole below
+    proc = start_radixray_serve(tiny_llama_dir, port, log, "--api-key", API_KEY,
+                                env={"RADIXRAY_ADMIN_API_KEY": ADMIN_KEY})
     try:
         wait_ready(base)
         # The CLI prints its ready line after its own /ready poll sees 200, which can come

@@ -7,15 +7,13 @@ thousand and the end of the run. The figures go to docs/reliability.md."""
 
 import asyncio
 import json
-import os
 import random
 import subprocess
-import sys
 import time
 
 import httpx
 import pytest
-from serving_helpers import RAY_ENV, free_port, wait_ready
+from serving_helpers import free_port, start_radixray_serve, wait_ready
 
 TOTAL, CONCURRENCY, SAMPLE_AT = 10_000, 32, 2_000
 WORDS = "the cat sat on a mat while dogs ran past quick brown foxes and one red bird".split()
@@ -70,11 +68,7 @@ def test_ten_thousand_mixed_requests_all_end_and_leak_nothing(tiny_llama_dir, tm
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "radixray.cli", "serve", "--model", tiny_llama_dir, "--port",
-         str(port), "--dtype", "float32", "--max-total-tokens", "8192", "--num-cpus", "2",
-         "--served-model-name", "tiny"], stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, **RAY_ENV})
+    proc = start_radixray_serve(tiny_llama_dir, port, log, max_total_tokens=8192)
     try:
         wait_ready(base)
         outcomes: dict[str, int] = {}
