@@ -57,4 +57,6 @@ def test_an_engine_audits_while_serving(tiny_llama_dir):
                                                           "temperature": 0.0})
         assert all(o["meta_info"]["completion_tokens"] == 8 for o in outs)
         audit = eng.scheduler.kv_audit
-        assert audit.checks >= 8 and audit.leak == 0
+        # 8 tokens take at least 8 steps; the last one's audit may still be running when
+        # generate returns, the first 7 have certainly been audited
+        assert audit.checks >= 7 and audit.leak == 0
