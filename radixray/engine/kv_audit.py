@@ -37,9 +37,7 @@ class KVAudit:
         """Audit now (scheduler thread); returns the leak."""
         holders = scheduler.kv_holders()
         kv = scheduler.kv
-        free = kv.allocator.available_size()
-        held = sum(r.owned_kv_len + r.kv_reserved for r in holders if r.req_row is not None)
-        cached = kv.cache.total_size()
+        free, held, cached = kv.account(holders)
         leak = kv.pool_size - (free + held + cached)
         self.checks += 1
         if leak and leak != self.leak:

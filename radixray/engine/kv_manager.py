@@ -166,11 +166,14 @@ class KVManager:
         self.cache.reset()
         return True
 
+    def account(self, holders: list[Req]) -> tuple[int, int, int]:
+        """(free, request-held, cache-held) slots, from counters and ``holders``' lengths."""
+        held = sum(r.owned_kv_len + r.kv_reserved for r in holders if r.req_row is not None)
+        return self.allocator.available_size(), held, self.cache.total_size()
+
     def check_conservation(self, running: list[Req]) -> None:
         """Raise AssertionError unless free + request-held + cache-held == pool size."""
-        free = self.allocator.available_size()
-        held = sum(r.owned_kv_len + r.kv_reserved for r in running if r.req_row is not None)
-        cached = self.cache.total_size()
+        free, held, cached = self.account(running)
         if free + held + cached != self.pool_size:
             raise AssertionError(
                 f"KV slots lost: free {free} + request-held {held} + cache-held {cached} "
