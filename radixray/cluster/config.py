@@ -25,6 +25,8 @@ from radixray.cluster.routing import RouterSettings
 from radixray.engine import options
 from radixray.engine.config import EngineConfig
 
+DEFAULT_OPEN_ROUTES = ("/health", "/health_generate", "/ready", "/metrics")  # no key asked
+
 
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of bounds."""
@@ -116,7 +118,7 @@ class ServerSection(BaseModel):
     api_key: SecretStr | None = None
     admin_api_key: SecretStr | None = None
     open_routes: list[str] = Field(  # answered without any key
-        default_factory=lambda: ["/health", "/health_generate", "/ready", "/metrics"])
+        default_factory=lambda: list(DEFAULT_OPEN_ROUTES))
     # limits on one request (serve/limits.py): a larger one is refused with a 4xx naming the
     # field and the bound before any work starts
     max_request_body_bytes: int = Field(32 * 2**20, ge=1024)

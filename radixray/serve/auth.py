@@ -24,9 +24,10 @@ import hmac
 import json
 from dataclasses import dataclass
 
+from radixray.cluster.config import DEFAULT_OPEN_ROUTES
+
 API_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/generate",
                         "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
-DEFAULT_OPEN_ROUTES = ("/health", "/health_generate", "/ready", "/metrics")
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
