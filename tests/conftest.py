@@ -10,22 +10,21 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory):
-    from model_fixtures import build_tiny_model
-    return build_tiny_model("llama", str(tmp_path_factory.mktemp("tiny-llama")))
+def _tiny_model_dir(kind: str):
+    """A session fixture: the folder of a random-weight ``kind`` model (model_fixtures.tiny_config)."""
+    def folder(tmp_path_factory):
+        from model_fixtures import build_tiny_model
+        return build_tiny_model(kind, str(tmp_path_factory.mktemp(f"tiny-{kind}")))
+    folder.__doc__ = f"Folder of a tiny random-weight {kind} model: safetensors, config, tokenizer."
+    return pytest.fixture(scope="session")(folder)
 
 
-@pytest.fixture(scope="session")
-def tiny_qwen3_dir(tmp_path_factory):
-    from model_fixtures import build_tiny_model
-    return build_tiny_model("qwen3", str(tmp_path_factory.mktemp("tiny-qwen3")))
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen2_dir(tmp_path_factory):
-    from model_fixtures import build_tiny_model
-    return build_tiny_model("qwen2", str(tmp_path_factory.mktemp("tiny-qwen2")))
+tiny_llama_dir = _tiny_model_dir("llama")
+tiny_qwen3_dir = _tiny_model_dir("qwen3")
+tiny_qwen2_dir = _tiny_model_dir("qwen2")
+tiny_qwen3_moe_dir = _tiny_model_dir("qwen3_moe")
+tiny_qwen2_moe_dir = _tiny_model_dir("qwen2_moe")  # with a shared expert
+tiny_mixtral_dir = _tiny_model_dir("mixtral")
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,8 @@ TINY_CHAT_TEMPLATE = (
 
 
 def tiny_config(kind: str, vocab_size: int):
-    """Small but non-trivial shapes: GQA, several layers; Qwen3 with head_dim != hidden/heads."""
+    """Small but non-trivial shapes: GQA, several layers; Qwen3 with head_dim != hidden/heads;
+    the mixture-of-experts kinds route each token to 2 of 8 experts."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=160,
@@ -51,6 +52,21 @@ def tiny_config(kind: str, vocab_size: int):
     if kind == "qwen2":  # q/k/v projections carry biases
         return Qwen2Config(**common, tie_word_embeddings=False,
                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if kind == "qwen3_moe":  # renormalized top-2 of 8; layer 1 dense (mlp_only_layers)
+        from transformers import Qwen3MoeConfig
+        return Qwen3MoeConfig(**common, **moe, head_dim=32, norm_topk_prob=True,
+                              mlp_only_layers=[1], tie_word_embeddings=False)
+    if kind == "qwen2_moe":  # top-2 of 8 not renormalized, plus a sigmoid-gated shared expert
+        from transformers import Qwen2MoeConfig
+        return Qwen2MoeConfig(**common, **moe, norm_topk_prob=False,
+                              shared_expert_intermediate_size=48, tie_word_embeddings=True)
+    if kind == "mixtral":  # top-2 of 8, every layer sparse
+        from transformers import MixtralConfig
+        return MixtralConfig(**{**common, "intermediate_size": 32}, num_local_experts=8,
+                             num_experts_per_tok=2, tie_word_embeddings=False,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
     raise ValueError(kind)
 
 

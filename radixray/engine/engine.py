@@ -102,7 +102,8 @@ class Engine:
         stop_checker = StopChecker(self.tokenizer, eos_token_ids(self.tokenizer, source.config))
         self.scheduler = Scheduler(self.config, self.runner, stop_checker, self._on_output)
         self.limits = Limits(self.runner.vocab_size, self.runner.context_len,
-                             self.runner.max_total_tokens)
+                             self.runner.max_total_tokens,
+                             moe=bool(getattr(self.runner.model, "moe_blocks", None)))
         self._subs: dict[str, _Subscriber] = {}
         self._lock = threading.Lock()
         self._stopping = False

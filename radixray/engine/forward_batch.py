@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from radixray.engine.request import Req
 
 
 class ForwardMode(enum.Enum):
@@ -35,6 +39,11 @@ class ForwardBatch:
     attn_metadata: dict = field(default_factory=dict)
     # Extend only: logits for every new token, not just each request's last (scoring).
     all_logits: bool = False
+    # Requests that asked for their routed experts: (request, first row, rows, position of
+    # the first row). When any did, a MoE model leaves every row's top-k logical expert
+    # ids in ``routed_experts`` [T, MoE layers, top_k] (the model runner hands them out).
+    route_captures: list[tuple[Req, int, int, int]] = field(default_factory=list)
+    routed_experts: torch.Tensor | None = None
 
     def to_device(self, device: str) -> None:
         """Move the token-wise tensors (ids, positions, cache slots) to ``device``.

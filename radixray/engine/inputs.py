@@ -18,6 +18,7 @@ class Limits:
     vocab_size: int
     context_len: int
     max_total_tokens: int
+    moe: bool = False  # the model routes tokens to experts (return_routed_experts allowed)
 
 
 def normalize_prompts(prompt, input_ids) -> tuple[list, bool]:
@@ -82,6 +83,9 @@ def build_requests(prompt, input_ids, sampling_params, tokenizer, limits: Limits
     params = [to_sampling_params(p) for p in _per_prompt(sampling_params, n, "sampling_params")]
     for p in params:
         p.validate(limits.vocab_size)
+        if p.return_routed_experts and not limits.moe:
+            raise ValueError("return_routed_experts needs a mixture-of-experts model; this "
+                             "model has no routed experts")
     rids = _per_prompt(rid, n, "rid")
     given = [r for r in rids if r is not None]
     if len(set(given)) != len(given):

@@ -35,12 +35,18 @@ class MetaInfo:
     # the request lived through a weight update (None otherwise)
     weight_versions: list[dict] | None = None
     worker_id: str | None = None  # set by the ingress that routed the request
+    # return_routed_experts: [token][MoE layer][k] logical expert ids of the tokens at
+    # positions routed_experts_start.. (engine/routed_experts.py says which); else None
+    routed_experts: list | None = None
+    routed_experts_start: int | None = None
 
     @classmethod
     def of(cls, req: Req, weight_version: int = 0) -> MetaInfo:
         """``weight_version``: the engine's version now, for a request never admitted."""
         t0 = req.arrival_time
         spans = req.weight_spans
+        routes = req.routed_experts
+        asked = req.sampling.return_routed_experts
         return cls(
             id=req.rid, finish_reason=req.finish_reason, prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
@@ -49,7 +55,10 @@ class MetaInfo:
             e2e_latency=(req.finish_time - t0) if req.finish_time else None,
             num_retractions=req.num_retractions,
             weight_version=spans[-1][0] if spans else weight_version,
-            weight_versions=version_ranges(spans, len(req.output_ids)) if len(spans) > 1 else None)
+            weight_versions=version_ranges(spans, len(req.output_ids)) if len(spans) > 1 else None,
+            routed_experts=(routes.to_list() if routes is not None else []) if asked else None,
+            routed_experts_start=(routes.start if routes is not None else req.cached_tokens)
+            if asked else None)
 
     def to_json(self) -> dict:
         """The ``meta_info`` object users see (``worker_id`` only when routed)."""
@@ -64,6 +73,9 @@ class MetaInfo:
             out["weight_versions"] = self.weight_versions
         if self.worker_id is not None:
             out["worker_id"] = self.worker_id
+        if self.routed_experts is not None:
+            out["routed_experts"] = self.routed_experts
+            out["routed_experts_start"] = self.routed_experts_start
         return out
 
 

@@ -15,6 +15,7 @@ from radixray.engine.loader import ModelSource
 from radixray.engine.memory import KVPool, ReqToTokenPool, TokenSlotAllocator, kv_bytes_per_token
 from radixray.engine.models import model_class_for
 from radixray.engine.request import Req
+from radixray.engine.routed_experts import record_routes
 from radixray.kernels.cpu_ops import BatchInvariantKernels, CpuKernels
 from radixray.kernels.int8_linear import quantize_linears
 
@@ -154,9 +155,11 @@ class ModelRunner:
         """Prefill ``n`` new tokens of each request after its first ``kv_len`` tokens."""
         ids: list[int] = []
         positions: list[int] = []
-        prefix_lens, extend_lens, seq_lens = [], [], []
+        prefix_lens, extend_lens, seq_lens, captures = [], [], [], []
         for req, n in items:
             start = req.kv_len
+            if req.sampling.return_routed_experts:
+                captures.append((req, len(ids), n, start))
             ids.extend(req.all_ids[start:start + n])
             positions.extend(range(start, start + n))
             prefix_lens.append(start)
@@ -168,7 +171,8 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.int64),
             out_cache_loc=torch.cat(slots) if len(slots) > 1 else slots[0],
             req_rows=torch.tensor([r.req_row for r, _ in items], dtype=torch.int64),
-            prefix_lens=prefix_lens, extend_lens=extend_lens, seq_lens=seq_lens)
+            prefix_lens=prefix_lens, extend_lens=extend_lens, seq_lens=seq_lens,
+            route_captures=captures)
 
     def build_decode_batch(self, reqs: list[Req], slots: torch.Tensor) -> ForwardBatch:
         """One new token per request: its last output token, at position ``kv_len``."""
@@ -179,12 +183,17 @@ class ModelRunner:
             positions=torch.tensor(kv_lens, dtype=torch.int64),
             out_cache_loc=slots,
             req_rows=torch.tensor([r.req_row for r in reqs], dtype=torch.int64),
-            prefix_lens=kv_lens, extend_lens=[1] * len(reqs), seq_lens=[n + 1 for n in kv_lens])
+            prefix_lens=kv_lens, extend_lens=[1] * len(reqs), seq_lens=[n + 1 for n in kv_lens],
+            route_captures=[(r, i, 1, r.kv_len) for i, r in enumerate(reqs)
+                            if r.sampling.return_routed_experts])
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """fp32 logits ``[B, vocab]`` (on the model's device) for each request's last new token."""
+        """fp32 logits ``[B, vocab]`` (on the model's device) for each request's last new token.
+        Requests that asked for their routed experts get this step's (engine/routed_experts.py)."""
         if self.device != "cpu":
             batch.to_device(self.device)
         self.attn_backend.init_forward_metadata(batch)
-        return self.model(batch)
+        logits = self.model(batch)
+        record_routes(batch)
+        return logits

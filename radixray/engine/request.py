@@ -11,6 +11,8 @@ from radixray.engine.sampling import SamplingParams
 if TYPE_CHECKING:  # the controller and the router read requests' messages without torch
     import torch
 
+    from radixray.engine.routed_experts import RoutedExpertsRecord
+
 
 @dataclass
 class FinishReason:
@@ -82,6 +84,8 @@ class Req:
     finish_time: float | None = None
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # the MoE routers' choices for its computed tokens (return_routed_experts only)
+    routed_experts: RoutedExpertsRecord | None = None
     generator: torch.Generator | None = None
     # how many output tokens have been handed to the caller
     emitted: int = 0

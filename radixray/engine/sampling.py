@@ -40,6 +40,9 @@ class SamplingParams:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     return_unscaled_logprob: bool = False
+    # MoE models: report the experts each computed token was routed to (meta_info
+    # routed_experts; which tokens: engine/routed_experts.py)
+    return_routed_experts: bool = False
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
@@ -98,7 +101,8 @@ class SamplingParams:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
-        for name in ("ignore_eos", "skip_special_tokens", "return_logprob", "return_unscaled_logprob"):
+        for name in ("ignore_eos", "skip_special_tokens", "return_logprob", "return_unscaled_logprob",
+                     "return_routed_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_int("top_logprobs_num", self.top_logprobs_num, lo=0)

@@ -3,7 +3,13 @@
 :class:`WeightLayout` maps every checkpoint name (``layers.3.self_attn.k_proj.weight``,
 with or without the ``model.`` prefix) onto a *target* of the model: a parameter
 or the weight/bias of an int8 layer, and the rows of it the tensor fills (q, k
-and v share the fused ``qkv_proj``; gate and up share ``gate_up_proj``).
+and v share the fused ``qkv_proj``; gate and up share ``gate_up_proj``). A
+mixture-of-experts layer stacks its experts in one 3-D parameter per projection
+(``mlp.experts.gate_up_proj`` [experts, 2 * inter, hidden]): each per-expert
+checkpoint tensor (``mlp.experts.5.up_proj.weight``) fills rows of one expert's
+slice, and the stacked name itself (how transformers keeps MoE weights in memory)
+fills the whole parameter. A model may rename checkpoint names first
+(``checkpoint_renames``: Mixtral's ``block_sparse_moe.experts.E.w1``).
 
 :class:`WeightStage` collects named tensors into targets. Built ``live=True`` it
 writes straight into the model's tensors (the initial load); otherwise it
@@ -24,6 +30,7 @@ and thrown away without the model ever seeing half of it:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -40,11 +47,26 @@ _INT8_BUFFERS = ("w_q_t", "w_vnni", "w_vnni_comp", "w_scale")
 
 @dataclass(frozen=True)
 class Shard:
-    """Rows ``[offset, offset + shape[0])`` of ``target`` come from one checkpoint tensor."""
+    """Rows ``[offset, offset + shape[0])`` of ``target`` come from one checkpoint tensor; of
+    ``target[index]`` when ``index`` is set (one expert of a stacked parameter)."""
 
     target: str
     offset: int
     shape: tuple[int, ...]
+    index: int | None = None
+
+    def view(self, full: torch.Tensor) -> torch.Tensor:
+        """The part of ``full`` (a tensor of the target's shape) this shard fills."""
+        rows = full if self.index is None else full[self.index]
+        return rows[self.offset:self.offset + self.shape[0]]
+
+
+def split_rows(parts: tuple[tuple[str, int | None], ...], total: int) -> list[tuple[str, int]]:
+    """``(name, rows)`` parts of a fused dimension of ``total`` rows; rows None is an equal
+    share of what the counted parts leave."""
+    free = [name for name, rows in parts if rows is None]
+    share = (total - sum(rows for _, rows in parts if rows is not None)) // max(len(free), 1)
+    return [(name, share if rows is None else rows) for name, rows in parts]
 
 
 @dataclass
@@ -76,9 +98,14 @@ class WeightLayout:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        fused: dict[str, tuple[tuple[str, int], ...]] = model.fused_shards()
+        fused: dict[str, tuple[tuple[str, int | None], ...]] = model.fused_shards()
+        # owner leaf -> parameter leaf -> parts, for parameters stacked over experts (dim 0)
+        self.stacked: dict[str, dict[str, tuple]] = getattr(model, "stacked_shards", dict)()
+        self.renames = [(re.compile(p), r) for p, r in getattr(model, "checkpoint_renames", tuple)()]
         self.targets: dict[str, Target] = {}
         self.shards: dict[str, Shard] = {}
+        # a name that fills a whole stacked target -> the per-expert shards it writes
+        self.aliases: dict[str, tuple[str, ...]] = {}
         self.tied = bool(getattr(model, "tie_word_embeddings", False))
         seen: set[int] = set()
         for name, param in model.named_parameters(remove_duplicate=False):
@@ -106,26 +133,47 @@ class WeightLayout:
         self.targets[name] = target
         prefix, _, leaf = name.rpartition(".")
         parent, _, owner_leaf = prefix.rpartition(".")
+        stacked = self.stacked.get(owner_leaf, {}).get(leaf) if kind == "param" else None
+        if stacked is not None:
+            # experts.<leaf> [E, rows, cols] <- experts.<e>.<part>.weight [part rows, cols]
+            for e in range(shape[0]):
+                self._add_parts(target, stacked, shape[1:], f"{prefix}.{e}.{{}}.weight", e)
+            self.shards[name] = Shard(target.name, 0, shape)
+            self.aliases[name] = tuple(target.shards)
+            return
         parts = fused.get(owner_leaf)
         if parts is None:
             self._add_shard(target, name, 0, shape)
             return
+        self._add_parts(target, parts, shape, f"{parent}.{{}}.{leaf}", None)
+
+    def _add_parts(self, target: Target, parts: tuple, shape: tuple[int, ...], name_format: str,
+                   index: int | None) -> None:
+        """One shard per fused part, named ``name_format.format(part)``, stacked along rows."""
         offset = 0
-        for part, rows in parts:
-            self._add_shard(target, f"{parent}.{part}.{leaf}", offset, (rows, *shape[1:]))
+        for part, rows in split_rows(parts, shape[0]):
+            self._add_shard(target, name_format.format(part), offset, (rows, *shape[1:]), index)
             offset += rows
         if offset != shape[0]:
-            raise AssertionError(f"{name}: fused shards cover {offset} of {shape[0]} rows")
+            raise AssertionError(f"{target.name}: fused shards cover {offset} of {shape[0]} rows")
 
-    def _add_shard(self, target: Target, name: str, offset: int, shape: tuple[int, ...]) -> None:
-        self.shards[name] = Shard(target.name, offset, shape)
+    def _add_shard(self, target: Target, name: str, offset: int, shape: tuple[int, ...],
+                   index: int | None = None) -> None:
+        self.shards[name] = Shard(target.name, offset, shape, index)
         target.shards.append(name)
+
+    def canonical(self, name: str) -> str:
+        """``name`` as the layout knows it: without ``model.``, the model's renames applied."""
+        name = name.removeprefix("model.")
+        for pattern, replacement in self.renames:
+            name = pattern.sub(replacement, name)
+        return name
 
     def locate(self, name: str) -> Shard | None:
         """The shard a checkpoint name fills; None for a name the model skips on purpose
         (rotary tables; ``lm_head.weight`` when tied to the embedding). KeyError names an
         unknown tensor."""
-        name = name.removeprefix("model.")
+        name = self.canonical(name)
         shard = self.shards.get(name)
         if shard is not None:
             return shard
@@ -175,7 +223,7 @@ class WeightStage:
         """``name``'s rows hold its new values (after filling :meth:`buffer_for`)."""
         shard = self.shard(name)
         if shard is not None:
-            self._note(shard, name.removeprefix("model."))
+            self._note(shard, name)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Copy ``tensor`` into the rows ``name`` fills (dtype converted). ValueError names an
@@ -187,7 +235,7 @@ class WeightStage:
             raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}; the model expects "
                              f"{shard.shape}")
         self._rows(self.layout.targets[shard.target], shard).copy_(tensor)
-        self._note(shard, name.removeprefix("model."))
+        self._note(shard, name)
 
     def add_all(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in named:
@@ -203,7 +251,8 @@ class WeightStage:
                              f"{next(iter(self.layout.shards))!r})") from None
 
     def _note(self, shard: Shard, name: str) -> None:
-        self.written.setdefault(shard.target, set()).add(name)
+        name = self.layout.canonical(name)
+        self.written.setdefault(shard.target, set()).update(self.layout.aliases.get(name, (name,)))
         self.tensors += 1
         numel = 1
         for d in shard.shape:
@@ -220,7 +269,7 @@ class WeightStage:
             else:
                 full = torch.empty(target.shape, dtype=target.dtype, device=target.device)
             self.staged[target.name] = full
-        return full[shard.offset:shard.offset + shard.shape[0]]
+        return shard.view(full)
 
     def missing(self) -> list[str]:
         """Checkpoint names of every shard not written yet (all targets)."""
@@ -250,8 +299,7 @@ class WeightStage:
                                  f"{target.shards} must all come in one session; missing {missing}")
             for shard_name in missing:
                 shard = self.layout.shards[shard_name]
-                rows = slice(shard.offset, shard.offset + shard.shape[0])
-                self.staged[name][rows].copy_(live[rows])
+                shard.view(self.staged[name]).copy_(shard.view(live))
         if not self.fault_huge_pages:
             for tensor in self.staged.values():
                 advise_huge_pages(tensor)

@@ -2,7 +2,9 @@
 
 Projections are fused (q|k|v into one matmul, gate|up into another) so a decode
 step launches as few ops as possible; ``load_weights`` maps Hugging Face
-parameter names onto the fused shards.
+parameter names onto the fused shards. The feed-forward block of each layer comes
+from :meth:`LlamaForCausalLM.make_mlp`, which the mixture-of-experts models
+(``moe.py``) override.
 """
 
 from __future__ import annotations
@@ -28,12 +30,15 @@ class LlamaAttention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        # attention_bias (Llama, Qwen3, Qwen3-MoE) biases all four projections; Qwen2 and
+        # Qwen2-MoE (qkv_bias) bias q, k and v only.
+        o_bias = bool(getattr(config, "attention_bias", False))
+        bias = o_bias or bool(getattr(config, "qkv_bias", False)) or config.model_type == "qwen2"
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.rotary = rotary
-        # Qwen3 normalises each query and key head before rotation.
-        self.qk_norm = config.model_type == "qwen3"
+        # Qwen3 (dense and MoE) normalises each query and key head before rotation.
+        self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels)
@@ -53,10 +58,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, kernels: CpuKernels):
+    """SwiGLU feed-forward; ``intermediate_size`` overrides the config's (a shared expert)."""
+
+    def __init__(self, config, kernels: CpuKernels, intermediate_size: int | None = None):
         super().__init__()
         self.kernels = kernels
-        self.inter = config.intermediate_size
+        self.inter = intermediate_size or config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=bias)
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
@@ -66,12 +73,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, rotary: RotaryEmbedding, kernels: CpuKernels):
+    """Attention then ``mlp``: any module mapping normed hidden states ``[T, H]`` to ``[T, H]``
+    (dense SwiGLU, or a mixture-of-experts block)."""
+
+    def __init__(self, config, layer_id: int, rotary: RotaryEmbedding, kernels: CpuKernels,
+                 mlp: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.self_attn = LlamaAttention(config, layer_id, rotary, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.mlp = LlamaMLP(config, kernels)
+        self.mlp = mlp
 
     def forward(self, positions, x, batch, residual=None):
         """The residual stream kept apart: returns ``(mlp output, residual)``, whose sum is the
@@ -100,13 +111,19 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, head_dim, max_positions, dtype)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary, kernels) for i in range(config.num_hidden_layers))
+            LlamaDecoderLayer(config, i, self.rotary, kernels, self.make_mlp(config, i, kernels))
+            for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.lm_head_int8: Int8Linear | None = None  # set by quantize_lm_head
         self.to(dtype)
+
+    def make_mlp(self, config, layer_id: int, kernels: CpuKernels) -> nn.Module:
+        """The feed-forward block of layer ``layer_id`` (called once per layer while the
+        constructor builds them)."""
+        return LlamaMLP(config, kernels)
 
     def quantize_lm_head(self, fused_ops: bool = True) -> None:
         """Run the logits projection as an int8 GEMM from now on (``Int8Linear`` over a
@@ -134,13 +151,15 @@ class LlamaForCausalLM(nn.Module):
         return self.kernels.linear(h, self.lm_head_weight).float()
 
     # ---- weight loading -------------------------------------------------------------
-    def fused_shards(self) -> dict[str, tuple[tuple[str, int], ...]]:
+    def fused_shards(self) -> dict[str, tuple[tuple[str, int | None], ...]]:
         """Fused projection -> the Hugging Face projections stacked in it, in row order with
-        their row counts (read by :class:`~radixray.engine.weight_layout.WeightLayout`)."""
+        their row counts (read by :class:`~radixray.engine.weight_layout.WeightLayout`; None:
+        an equal share of the rows the counted parts leave, as gate and up split a fused
+        projection whose width differs between dense layers and shared experts)."""
         attn0 = self.layers[0].self_attn
-        q, kv, inter = attn0.q_size, attn0.kv_size, self.layers[0].mlp.inter
+        q, kv = attn0.q_size, attn0.kv_size
         return {"qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
-                "gate_up_proj": (("gate_proj", inter), ("up_proj", inter))}
+                "gate_up_proj": (("gate_proj", None), ("up_proj", None))}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the (fused) parameters. ValueError names an
