@@ -14,6 +14,14 @@ children. Every ingress replica sends it a heartbeat; once none has for
 ``fleet.owner_timeout_s`` (the app was deleted, or redeployed with a different
 fleet shape) it stops the workers and the router and exits. So no single
 replica's death takes the fleet down, and no fleet outlives its app.
+
+The controller is restartable too. The workers and the router are named, detached
+actors, so they keep serving while it is down; when Ray starts it again (same
+constructor arguments), it finds them by name, reads back from each worker its role,
+incarnation, draining flag and weight version, restores what only it knew from its
+checkpoint (actors/fleet_checkpoint.py), starts any worker that is missing, and
+publishes the workers to the router again. Ingress replicas keep their channels open
+throughout; only calls to the controller itself wait or fail while it restarts.
 """
 
 from __future__ import annotations
@@ -22,21 +30,24 @@ import asyncio
 import logging
 import time
 
+from radixray.actors import fleet_checkpoint
+from radixray.actors.fleet_checkpoint import FleetCheckpoint
+from radixray.actors.fleet_ops import FleetOperations
+from radixray.actors.lifecycle import reconstructed
 from radixray.actors.weight_rollout import FleetWeights
 from radixray.cluster.config import ServeConfig
-from radixray.cluster.errors import WorkerUnavailable, unwrap_ray_error
-from radixray.cluster.messages import FleetHealth, WorkerEntry, WorkerInfo
-from radixray.cluster.metrics import controller_families
+from radixray.cluster.errors import actor_unreachable, unwrap_ray_error
+from radixray.cluster.messages import WorkerInfo
 from radixray.cluster.pd_bootstrap import PDBootstrapService
 from radixray.cluster.registry import Registry, WorkerRecord
-from radixray.engine.messages import DEFAULT_GROUP
 
 logger = logging.getLogger("radixray.controller")
 
 LOAD_TIMEOUT_S = 30.0  # load() waits for a scheduler step; a long prefill step can take seconds
+NAME_RELEASE_S = 30.0  # a killed worker's actor name is free again within this
 
 
-class Controller:
+class Controller(FleetOperations):
     def __init__(self, config: dict):
         self.cfg = ServeConfig.parse(config)
         logging.basicConfig(level=self.cfg.server.log_level.upper(),
@@ -53,9 +64,17 @@ class Controller:
         self._owners: dict[str, float] = {}  # ingress replica -> last heartbeat (monotonic)
         self._owner_families: dict[str, list] = {}  # ingress replica -> its HTTP series
         self._created = time.monotonic()
+        self._started_at = time.time()
         self._watchdog: asyncio.Task | None = None
         self.weights = FleetWeights()  # the fleet's weight version and its updates
         self.pd = PDBootstrapService()  # prefill-decode endpoints and handshake
+        self.policy = self.cfg.router.policy  # the routing policy, as set at run time
+        self.restarted = reconstructed()
+        if self.restarted:  # Ray restarted this actor: rebuild the fleet from its actors now
+            logger.warning("controller restarted: rebuilding the fleet %s from its running "
+                           "actors", self.cfg.controller_name())
+            self._ensure_watchdog()
+            self._start_task = asyncio.get_running_loop().create_task(self._start())
 
     # ---- start-up -------------------------------------------------------------------
     async def start(self) -> WorkerInfo:
@@ -68,35 +87,91 @@ class Controller:
         return self._info
 
     async def _start(self) -> None:
+        import ray
+
         from radixray.actors.router import router_actor_class
         fleet = self.cfg.fleet
         t0 = time.perf_counter()
+        saved = fleet_checkpoint.load(self.cfg.controller_name())
+        if saved is not None:
+            self._restore(saved)
         bundle = self.cfg.worker_bundle()
         if bundle and self.placement_group is None:
             from ray.util import placement_group
             self.placement_group = placement_group([dict(bundle)] * fleet.total_workers,
                                                    strategy=fleet.placement_strategy,
-                                                   name=f"{self.cfg.app_name}-workers")
+                                                   name=f"{self.cfg.controller_name()}-workers",
+                                                   lifetime="detached")
             await self.placement_group.ready()
         self.router = router_actor_class().options(
             name=self.cfg.router_name(), namespace=self.cfg.namespace, get_if_exists=True,
-            num_cpus=0, max_concurrency=1000).remote(self.cfg.router.settings())
+            num_cpus=0, max_concurrency=1000, lifetime="detached",
+            max_restarts=fleet.actor_max_restarts).remote(
+                self.cfg.router.settings(), ray.get_runtime_context().current_actor,
+                self._owner_name())
         records = [self.registry.add(i, role) for i, role in enumerate(fleet.roles())]
+        adopted = 0
         for rec in records:
-            self._launch(rec)
+            if saved is not None:
+                rec.generation, rec.restarts = saved.slots.get(rec.worker_id, (0, 0))
+            rec.handle = self._find_worker(rec)
+            if rec.handle is None:
+                self._launch(rec)
+            else:
+                adopted += 1
+                rec.set_state("starting")
         await asyncio.gather(*(self._await_ready(rec) for rec in records))
-        ready = [r for r in records if r.state == "ready"]
+        ready = [r for r in records if r.state in ("ready", "draining")]
         if not ready:
             raise RuntimeError("no engine worker started: "
                                + "; ".join(f"{r.worker_id}: {r.error}" for r in records))
         self._info = await ready[0].handle.info.remote()
         if fleet.disaggregated:
             await self.pd.handshake(self.registry)
-        logger.info("fleet ready in %.1f s: %d/%d workers, policy %s, placement %s %s",
-                    time.perf_counter() - t0, len(ready), len(records), self.cfg.router.policy,
-                    fleet.placement_strategy, bundle or "(no bundle)")
+        logger.info("fleet ready in %.1f s: %d/%d workers (%d adopted running), policy %s, "
+                    "placement %s %s", time.perf_counter() - t0, len(ready), len(records),
+                    adopted, self.policy, fleet.placement_strategy, bundle or "(no bundle)")
         self._spawn(self._health_loop())
         await self._publish()
+
+    def _restore(self, saved: FleetCheckpoint) -> None:
+        """Take back what only the controller knew (a restart, or a new controller of a
+        fleet whose old one died without stopping it)."""
+        self.placement_group, self._first_bundle = saved.placement_group, saved.first_bundle
+        self._owns_placement_group = saved.owns_placement_group
+        self.draining, self.policy = saved.draining, saved.policy or self.policy
+        self.weights.restore(saved.weight_version, saved.replay, saved.stale)
+        logger.info("restored the fleet's checkpoint: weight version %d, draining %s, "
+                    "policy %s", saved.weight_version, saved.draining, self.policy)
+
+    def _checkpoint(self) -> None:
+        fleet_checkpoint.save(self.cfg.controller_name(), FleetCheckpoint(
+            self.placement_group, self._first_bundle, self._owns_placement_group, self.draining,
+            *self.weights.saved(), self.policy,
+            {r.worker_id: (r.generation, r.restarts) for r in self.registry}))
+
+    def _owner_name(self) -> tuple[str, str]:
+        """(name, namespace) under which the fleet's actors find their controller."""
+        return self.cfg.controller_name(), self.cfg.namespace
+
+    def _find_worker(self, rec: WorkerRecord):
+        """The running actor of ``rec``'s slot (kept through a controller restart), or None."""
+        import ray
+        try:
+            return ray.get_actor(self.cfg.worker_name(rec.worker_id), namespace=self.cfg.namespace)
+        except ValueError:
+            return None
+
+    async def _name_released(self, rec: WorkerRecord) -> None:
+        """Wait until a killed worker's actor name is free for its successor."""
+        deadline = time.monotonic() + NAME_RELEASE_S
+        while self._find_worker(rec) is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+
+    async def republish(self) -> None:
+        """A restarted router asks for the routable workers (and the policy) again."""
+        if self._start_task is not None and self._start_task.done():
+            await self._publish()
 
     def adopt_placement_group(self, group, first_bundle: int) -> None:
         """Start the workers in bundles ``first_bundle ..`` of ``group`` (a GRPO job's, which
@@ -118,12 +193,15 @@ class Controller:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 self.placement_group, placement_group_bundle_index=self._first_bundle + rec.index)
         import ray
-        rec.handle = worker_actor_class().options(**options).remote(
+        rec.handle = worker_actor_class().options(
+            name=self.cfg.worker_name(rec.worker_id), namespace=self.cfg.namespace,
+            lifetime="detached", **options).remote(
             self.cfg.engine_options_for(rec.role), rec.worker_id, s.warmup, s.log_level,
             cores_shared_by=self._workers_per_node(), niceness=s.worker_niceness,
-            fleet=ray.get_runtime_context().current_actor if rec.role != "unified" else None,
+            fleet=ray.get_runtime_context().current_actor,
             compute_nice_offset=s.pd_compute_nice_offset, slo=(s.slo_ttft_s, s.slo_tpot_s),
-            max_queued_requests=s.max_queued_requests, retry_after_s=s.queue_full_retry_after_s)
+            max_queued_requests=s.max_queued_requests, retry_after_s=s.queue_full_retry_after_s,
+            generation=rec.generation, owner=self._owner_name())
         rec.set_state("starting")
         rec.weight_version = 0
         rec.started_at = time.time()
@@ -136,21 +214,29 @@ class Controller:
             self.cfg.fleet.total_workers
 
     async def _await_ready(self, rec: WorkerRecord) -> None:
-        """Wait for the worker's constructor (model load + warm-up); record the outcome."""
+        """Wait for the worker's constructor (model load + warm-up); record the outcome. A
+        worker found running (a controller restart) keeps its draining flag and version."""
         try:
             info = await rec.handle.info.remote()
         except Exception as exc:  # noqa: BLE001 - any start-up failure marks the slot dead
             self._mark_dead(rec, f"start-up failed: {unwrap_ray_error(exc)}")
             return
         rec.kv_session, rec.kv_layout = info.kv_session, info.kv_layout
-        behind = await self.weights.catch_up(rec)
+        rec.generation, rec.started_at = info.generation, info.started_at
+        rec.weight_version = info.weight_version
+        behind = None
+        if info.weight_version != self.weights.version:
+            behind = await self.weights.catch_up(rec)
+        else:
+            self.weights.stale.discard(rec.worker_id)
         if behind:
             rec.error = behind
             logger.warning("worker %s stays out of routing: %s", rec.worker_id, behind)
-        rec.set_state("draining" if self.draining or behind else "ready")
+        drain = self.draining or behind or info.draining
+        rec.set_state("draining" if drain else "ready")
         rec.healthy, rec.last_ping_at = True, time.time()
         self._spawn(self._watch(rec, rec.generation))
-        if self.draining or behind:
+        if drain:
             await rec.handle.drain.remote()
         logger.info("worker %s ready (generation %d, pool %d tokens)", rec.worker_id,
                     rec.generation, info.max_total_tokens)
@@ -199,6 +285,7 @@ class Controller:
             from ray.util import remove_placement_group
             remove_placement_group(self.placement_group)
         self.placement_group = None
+        fleet_checkpoint.delete(self.cfg.controller_name())
 
     # ---- health ---------------------------------------------------------------------
     def _spawn(self, coro) -> None:
@@ -297,6 +384,7 @@ class Controller:
         rec.restarts += 1
         rec.generation += 1
         logger.warning("restarting worker %s (restart %d)", rec.worker_id, rec.restarts)
+        await self._name_released(rec)
         self._launch(rec)
         await self._await_ready(rec)
         await self._publish()
@@ -306,189 +394,20 @@ class Controller:
         weight versions; a disaggregated fleet that lost its handshake tries again."""
         if self.cfg.fleet.disaggregated and self._info is not None:
             await self.pd.handshake(self.registry)
-        if self.router is not None:
+        self._checkpoint()
+        if self.router is None:
+            return
+        try:
             await self.router.set_workers.remote(
-                self.registry.routable(), {r.worker_id: r.role for r in self.registry})
+                self.registry.routable(), {r.worker_id: r.role for r in self.registry},
+                self.policy)
             await self.router.set_weight_versions.remote(
                 {r.worker_id: r.weight_version for r in self.registry.live()})
-
-    # ---- operations -----------------------------------------------------------------
-    async def worker(self, worker_id: str) -> WorkerEntry:
-        """The handle of a worker that takes requests; WorkerUnavailable otherwise."""
-        rec = self.registry.get(worker_id)
-        if rec.state not in ("ready", "draining"):
-            raise WorkerUnavailable(f"engine worker {worker_id} is {rec.state}")
-        return WorkerEntry(worker_id, rec.handle, rec.generation, rec.state)
-
-    async def live_workers(self) -> list[WorkerEntry]:
-        return [await self.worker(r.worker_id) for r in self.registry.live()]
-
-    async def health(self) -> FleetHealth:
-        """Whether the fleet takes requests, and why each worker that does not serve went
-        down (its last death or engine failure)."""
-        live = self.registry.live()
-        return FleetHealth(self.draining, len(self.registry.routable()), self.registry.counts(),
-                           {r.worker_id: r.error for r in self.registry
-                            if r not in live and r.error},
-                           self.pd.status(self.registry) if self.cfg.fleet.disaggregated else None)
-
-    async def drain_worker(self, worker_id: str) -> dict:
-        """Stop sending new requests to ``worker_id``; its in-flight requests finish."""
-        rec = self.registry.get(worker_id)
-        if rec.state not in ("ready", "draining"):
-            raise ValueError(f"worker {worker_id} is {rec.state}; only a ready worker drains")
-        rec.set_state("draining")
-        await self._publish()
-        inflight = await rec.handle.drain.remote()
-        logger.info("worker %s draining: %d request(s) in flight", worker_id, inflight)
-        return {"worker_id": worker_id, "state": rec.state, "inflight": inflight}
-
-    async def resume_worker(self, worker_id: str) -> dict:
-        rec = self.registry.get(worker_id)
-        if worker_id in self.weights.stale:
-            raise ValueError(f"worker {worker_id} serves weight version {rec.weight_version}, the "
-                             f"fleet {self.weights.version}: the next weight update resumes it")
-        if rec.state != "draining" or self.draining:
-            raise ValueError(f"worker {worker_id} is {rec.state}"
-                             + (" and the fleet is draining" if self.draining else "")
-                             + "; only a draining worker of a serving fleet resumes")
-        await rec.handle.resume.remote()
-        rec.set_state("ready")
-        await self._publish()
-        return {"worker_id": worker_id, "state": rec.state}
-
-    async def drain_all(self) -> int:
-        """Drain the whole fleet (shutdown); return the requests still in flight."""
-        self.draining = True
-        for rec in self.registry.in_state("ready"):
-            rec.set_state("draining")
-        await self._publish()
-        results = await asyncio.gather(*(r.handle.drain.remote() for r in self.registry.live()),
-                                       return_exceptions=True)
-        return sum(n for n in results if isinstance(n, int))
-
-    async def num_inflight(self) -> int:
-        results = await asyncio.gather(
-            *(r.handle.inflight_rids.remote() for r in self.registry.live()),
-            return_exceptions=True)
-        return sum(len(x) for x in results if isinstance(x, list))
-
-    async def inflight_rids(self) -> dict[str, list[str]]:
-        live = self.registry.live()
-        results = await asyncio.gather(*(r.handle.inflight_rids.remote() for r in live),
-                                       return_exceptions=True)
-        return {r.worker_id: x for r, x in zip(live, results) if isinstance(x, list) and x}
-
-    async def _on_each_live(self, call) -> dict:
-        """``call(handle)`` on every live worker: the result (or the error) by worker id."""
-        live = self.registry.live()
-        results = await asyncio.gather(*(call(r.handle) for r in live), return_exceptions=True)
-        return {r.worker_id: (x if not isinstance(x, BaseException)
-                              else {"error": str(unwrap_ray_error(x))})
-                for r, x in zip(live, results)}
-
-    async def flush_cache(self) -> dict[str, bool]:
-        """Flush every live worker's radix cache; when all did, the router forgets its
-        prefix tree too (it would otherwise route to caches that no longer exist)."""
-        results = await self._on_each_live(lambda h: h.flush_cache.remote())
-        if self.router is not None and all(ok is True for ok in results.values()):
-            await self.router.forget_prefixes.remote()
-        return results
-
-    async def pause_generation(self, mode: str) -> dict:
-        """Pause every live worker in ``mode``: requests touched, by worker id."""
-        return await self._on_each_live(lambda h: h.pause_generation.remote(mode))
-
-    async def continue_generation(self) -> dict:
-        """Let every live worker schedule again: whether it was paused, by worker id."""
-        return await self._on_each_live(lambda h: h.continue_generation.remote())
-
-    async def check_kv_conservation(self) -> dict:
-        """Every live worker's KV slot check (an error entry if its invariant broke)."""
-        return await self._on_each_live(lambda h: h.check_kv_conservation.remote())
-
-    async def set_policy(self, policy: str) -> dict:
-        await self.router.set_policy.remote(policy)
-        return {"policy": policy}
-
-    async def fleet_state(self) -> dict:
-        """The admin view: every worker's record plus the router's state."""
-        router = await self.router.state.remote() if self.router is not None else None
-        out = {"app": self.cfg.app_name, "draining": self.draining,
-               "workers": [r.as_json() for r in self.registry], "router": router}
-        if self.cfg.fleet.disaggregated:
-            out["disaggregation"] = self.pd.status(self.registry)
-        return out
-
-    async def metric_families(self) -> list[list]:
-        """Prometheus families of every live worker, the router, the controller and the
-        ingress replicas that still beat."""
-        live = self.registry.live()
-        results = await asyncio.gather(*(r.handle.metric_families.remote() for r in live),
-                                       return_exceptions=True)
-        out = [x for x in results if not isinstance(x, BaseException)]
-        if self.router is not None:
-            out.append(await self.router.metric_families.remote())
-        out.append(controller_families(self.registry) + self.weights.metrics.families())
-        stale = time.monotonic() - self.cfg.fleet.owner_timeout_s
-        for owner in [o for o in self._owner_families if self._owners.get(o, 0) < stale]:
-            del self._owner_families[owner]  # a replica gone: its series go with it
-        out.extend(self._owner_families.values())
-        return out
-
-    # ---- RL control plane (actors/weight_rollout.py) ------------------------------------
-    async def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
-        """Release ``tags`` on every live worker (each must be paused): results by worker."""
-        return await self._on_each_live(lambda h: h.release_memory_occupation.remote(tags))
-
-    async def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
-        return await self._on_each_live(lambda h: h.resume_memory_occupation.remote(tags))
-
-    async def get_weight_version(self) -> dict:
-        """The fleet's version (of its last update) and each live worker's own."""
-        versions = await self._on_each_live(lambda h: h.get_weight_version.remote())
-        return {"weight_version": self.weights.version, "workers": versions}
-
-    async def init_weights_update_group(self, master_address: str, master_port: int,
-                                        world_size: int, group_name: str = DEFAULT_GROUP,
-                                        backend: str = "gloo", timeout_s: float = 600.0) -> dict:
-        """Every live worker joins the trainer's group (rank 1, 2, ... in worker order; the
-        trainer is rank 0 and joins at the same time). Returns the ranks by worker."""
-        live = self.registry.live()
-        if world_size != len(live) + 1:
-            raise ValueError(f"world_size must be 1 (the trainer) + {len(live)} live workers = "
-                             f"{len(live) + 1}, got {world_size}")
-        ranks = {r.worker_id: i + 1 for i, r in enumerate(live)}
-        await asyncio.gather(*(r.handle.init_weights_update_group.remote(
-            master_address, master_port, ranks[r.worker_id], world_size, group_name, backend,
-            timeout_s) for r in live))
-        return {"group_name": group_name, "world_size": world_size, "ranks": ranks}
-
-    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> dict:
-        """Every live worker leaves ``group_name``; worker -> whether it was in it."""
-        live = self.registry.live()
-        left = await asyncio.gather(*(r.handle.destroy_weights_update_group.remote(group_name)
-                                      for r in live))
-        return dict(zip((r.worker_id for r in live), left))
-
-    async def update_weights(self, source: dict, weight_version: int | None = None,
-                             pause_mode: str | None = "retract",
-                             release_memory: list[str] = (), keep_paused: bool = False) -> dict:
-        """One weight update on every live worker, all or none (see weight_rollout.py).
-        ``source``: WeightSource fields (``kind`` disk | tensor | distributed). The version
-        defaults to the fleet's current one + 1. Workers left stale by a restart take
-        requests again afterwards."""
-        result = await self.weights.update(self.registry.live(), source, weight_version,
-                                           pause_mode, list(release_memory), keep_paused)
-        for rec in self.registry.live():
-            if rec.worker_id in self.weights.stale:
-                self.weights.stale.discard(rec.worker_id)
-                if not self.draining and rec.state == "draining":
-                    await rec.handle.resume.remote()
-                    rec.set_state("ready")
-                    rec.error = None
-        await self._publish()
-        return result
+        except Exception as exc:
+            if not actor_unreachable(exc):
+                raise
+            logger.warning("router unreachable (%s): it asks for the workers when it is back",
+                           type(exc).__name__)
 
 
 def controller_actor_class():

@@ -22,6 +22,7 @@ import os
 import time
 from concurrent.futures import Future
 
+from radixray.actors.lifecycle import start_owner_watch
 from radixray.actors.niceness import set_niceness
 from radixray.cluster.errors import WorkerDraining, WorkerQueueFull, WorkerUnavailable
 from radixray.cluster.messages import ChannelState, SubmitRequest, WorkerInfo, WorkerLoad
@@ -46,7 +47,8 @@ class EngineWorker:
     def __init__(self, engine_options: dict, worker_id: str = "worker-0", warmup: bool = True,
                  log_level: str = "INFO", cores_shared_by: int = 1, niceness: int | None = 0,
                  fleet=None, compute_nice_offset: int = 0, slo: tuple[float, float] = (2.0, 0.1),
-                 max_queued_requests: int | None = None, retry_after_s: int = 1):
+                 max_queued_requests: int | None = None, retry_after_s: int = 1,
+                 generation: int = 0, owner: tuple[str, str] | None = None):
         """``cores_shared_by``: how many workers share this node's cores; without an explicit
         ``num_threads`` each gets an equal share (at least one thread). ``niceness``: what
         this process's threads are set to before the engine starts (see actors/niceness.py;
@@ -56,7 +58,11 @@ class EngineWorker:
         threads, so the KV transfer's threads get a busy core when they need it. ``slo``: the
         (TTFT, TPOT) targets in seconds that goodput is counted against.
         ``max_queued_requests``: past this many requests waiting for admission, submit
-        refuses new ones (WorkerQueueFull, ``retry_after_s`` for the client)."""
+        refuses new ones (WorkerQueueFull, ``retry_after_s`` for the client).
+        ``generation``: which incarnation of its slot this actor is (reported by
+        :meth:`info`, so a restarted controller knows it). ``owner``: the controller's
+        (name, namespace); the worker stops itself once it is gone for good
+        (actors/lifecycle.py)."""
         logging.basicConfig(level=log_level.upper(), format="[%(asctime)s] %(message)s",
                             datefmt="%Y-%m-%d %H:%M:%S")
         constructed = time.perf_counter()
@@ -68,6 +74,7 @@ class EngineWorker:
             # cores, split evenly between the workers placed on this node.
             options["num_threads"] = max(1, len(os.sched_getaffinity(0)) // max(1, cores_shared_by))
         self.worker_id = worker_id
+        self.generation = generation
         self.engine = Engine(worker_id=worker_id, **options)
         self.role = options.get("disaggregation_mode") or "unified"
         self._outbox = None
@@ -100,6 +107,8 @@ class EngineWorker:
         gc.collect()
         gc.freeze()  # long-lived objects leave the collector's generations: no pauses scanning them
         self.startup_seconds = time.perf_counter() - constructed
+        self._owner_watch = start_owner_watch(owner, f"worker {worker_id}",
+                                              on_orphaned=self.shutdown)
         logger.info("worker %s ready", worker_id)
 
     def _lower_compute_priority(self, offset: int) -> None:
@@ -206,7 +215,8 @@ class EngineWorker:
         pd = self.engine.pd
         return WorkerInfo(self.worker_id, self.engine.config.model, limits.context_len,
                           limits.vocab_size, limits.max_total_tokens, self.draining, self.role,
-                          pd.session if pd else None, pd.layout if pd else None)
+                          pd.session if pd else None, pd.layout if pd else None,
+                          self.generation, self.started_at, self.engine.get_weight_version())
 
     # ---- prefill-decode disaggregation (engine/disaggregation/, actors/pd_outbox.py) -----
     async def pd_deliver(self, message) -> None:

@@ -8,6 +8,12 @@ least load), and reports back when the request ends (``release``, once per
 worker picked), so all replicas share one tree and one load view.
 Calls run one at a time on the actor's event loop; none blocks on I/O. A
 background task runs the tree's LRU eviction every ``eviction_interval_s``.
+
+The router is a detached, restartable actor (it outlives a controller restart). When
+Ray restarts it, it starts with an empty tree and no loads, asks the controller to send
+the routable workers again, and holds picks until they arrive (at most
+``VIEW_WAIT_S``); the prefix tree then refills from traffic. The policy set at run time
+comes back with the workers.
 """
 
 from __future__ import annotations
@@ -17,20 +23,59 @@ import dataclasses
 import logging
 from collections import Counter
 
+from radixray.actors.fleet_checkpoint import release_orphaned
+from radixray.actors.lifecycle import reconstructed, start_owner_watch
 from radixray.cluster.metrics import router_families
 from radixray.cluster.routing import NoWorkerAvailable, Router, RouterSettings
 
 logger = logging.getLogger("radixray.router")
 
+VIEW_WAIT_S = 10.0  # a restarted router waits this long for the controller's worker list
+REPUBLISH_TRIES = 5
+
 
 class RouterActor:
-    def __init__(self, settings: RouterSettings):
+    def __init__(self, settings: RouterSettings, controller=None,
+                 owner: tuple[str, str] | None = None):
+        """``controller``: the fleet controller's handle (a restarted router asks it for the
+        workers); ``owner``: its (name, namespace): once no controller has that name for
+        good, the router releases the fleet's placement group and stops."""
         self.router = Router(settings)  # unified workers, or the prefill workers
         self.decode = Router(dataclasses.replace(settings, policy="least_load"))
         self.roles: dict[str, str] = {}
         self.pairs: Counter[str] = Counter()
         self.retries = 0
+        self.restarted = reconstructed()
         self._evictor: asyncio.Task | None = None
+        self._view: asyncio.Event | None = None  # set once the controller sent the workers
+        watch = start_owner_watch(owner, "router", on_orphaned=lambda: release_orphaned(owner[0]))
+        self._tasks = [watch] if watch is not None else []
+        if self.restarted and controller is not None:
+            logger.warning("router restarted: prefix tree and loads start empty; asking the "
+                           "controller for the workers")
+            self._tasks.append(asyncio.get_running_loop().create_task(
+                self._ask_for_workers(controller)))
+
+    async def _ask_for_workers(self, controller) -> None:
+        """A restarted router asks the controller to send the workers again (the controller
+        may itself be restarting: it publishes once it has rebuilt, so a few tries do)."""
+        for attempt in range(REPUBLISH_TRIES):
+            try:
+                await controller.republish.remote()
+                return
+            except Exception as exc:  # noqa: BLE001 - restarting controller: try again
+                logger.warning("router: asking the controller for the workers failed (%s)",
+                               type(exc).__name__)
+                await asyncio.sleep(1.0 + attempt)
+
+    async def _wait_for_view(self) -> None:
+        if self._view is None:
+            self._view = asyncio.Event()
+        if self.restarted and not self._view.is_set():
+            try:
+                await asyncio.wait_for(self._view.wait(), VIEW_WAIT_S)
+            except asyncio.TimeoutError:
+                pass
 
     def _ensure_evictor(self) -> None:
         if self._evictor is None:
@@ -49,6 +94,7 @@ class RouterActor:
         """(worker id, reason) for one request; raises NoWorkerAvailable. ``retry`` marks
         a second or later attempt of a request (counted in the retries metric)."""
         self._ensure_evictor()
+        await self._wait_for_view()
         if retry:
             self.retries += 1
         decision = self.router.pick(text, session_id, exclude)
@@ -59,6 +105,7 @@ class RouterActor:
         """(prefill worker, decode worker, reason) for one disaggregated request; raises
         NoWorkerAvailable naming the role that has no candidate."""
         self._ensure_evictor()
+        await self._wait_for_view()
         if retry:
             self.retries += 1
         prefill = self.router.pick(text, session_id, exclude)
@@ -73,12 +120,19 @@ class RouterActor:
     async def release(self, worker: str, ok: bool | None) -> None:
         (self.decode if self.roles.get(worker) == "decode" else self.router).release(worker, ok)
 
-    async def set_workers(self, workers: list[str], roles: dict[str, str] | None = None) -> None:
+    async def set_workers(self, workers: list[str], roles: dict[str, str] | None = None,
+                          policy: str | None = None) -> None:
         """The routable workers; ``roles`` (worker -> unified | prefill | decode) splits
-        them between the pick and the decode pool."""
+        them between the pick and the decode pool; ``policy``: the fleet's routing policy
+        (the controller sends it along, so a restarted router keeps one set at run time)."""
+        if policy is not None and policy != self.router.settings.policy:
+            await self.set_policy(policy)
         self.roles = dict(roles or {})
         self.router.set_workers([w for w in workers if self.roles.get(w) != "decode"])
         self.decode.set_workers([w for w in workers if self.roles.get(w) == "decode"])
+        if self._view is None:
+            self._view = asyncio.Event()
+        self._view.set()
 
     async def set_policy(self, policy: str) -> None:
         self.router.set_policy(policy)
@@ -95,7 +149,7 @@ class RouterActor:
         self.router.forget_prefixes()
 
     async def state(self) -> dict:
-        out = {**self.router.state(), "retries": self.retries}
+        out = {**self.router.state(), "retries": self.retries, "restarted": self.restarted}
         if "decode" in self.roles.values():
             out["decode"] = self.decode.state()
             out["pairs"] = dict(self.pairs)

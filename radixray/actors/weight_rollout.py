@@ -191,6 +191,14 @@ class FleetWeights:
         self.stale: set[str] = set()  # live workers left behind by a restart
         self._replay: WeightSource | None = None  # the last update, if a worker can repeat it
 
+    def saved(self) -> tuple[int, WeightSource | None, set[str]]:
+        """(version, the update a restarted worker replays, stale workers) to checkpoint."""
+        return self.version, self._replay, set(self.stale)
+
+    def restore(self, version: int, replay: WeightSource | None, stale: set[str]) -> None:
+        """Take back :meth:`saved`'s state (a restarted controller)."""
+        self.version, self._replay, self.stale = version, replay, set(stale)
+
     async def update(self, records: list, source: dict, weight_version: int | None,
                      pause_mode: str | None, release: list[str], keep_paused: bool) -> dict:
         """Run one update on ``records`` (the live workers); set their versions on success.

@@ -164,6 +164,9 @@ class FleetSection(BaseModel):
     # The controller outlives any one ingress replica; it stops the fleet once no ingress
     # replica has sent a heartbeat for this long (the app was deleted or redeployed).
     owner_timeout_s: float = Field(30.0, gt=0)
+    # Ray restarts the controller and the router actors after their process dies, this many
+    # times (-1: always); workers are restarted by the controller (max_restarts above).
+    actor_max_restarts: int = Field(-1, ge=-1)
 
     @model_validator(mode="after")
     def _roles(self) -> FleetSection:
@@ -309,6 +312,10 @@ class ServeConfig(BaseModel):
 
     def router_name(self) -> str:
         return f"{self.app_name}-router-{self.fleet_key()}"
+
+    def worker_name(self, worker_id: str) -> str:
+        """The named actor of a worker slot (found again by a restarted controller)."""
+        return f"{self.app_name}-{worker_id}-{self.fleet_key()}"
 
 
 def read_yaml_mapping(path: str) -> dict:

@@ -36,3 +36,13 @@ def unwrap_ray_error(exc: BaseException) -> BaseException:
     if isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
         return WorkerUnavailable(f"the engine worker is unavailable: {exc}")
     return exc
+
+
+def actor_unreachable(exc: BaseException) -> bool:
+    """Whether a call failed because the actor itself is dead or restarting (not because
+    the method raised)."""
+    try:
+        from ray.exceptions import ActorUnavailableError, RayActorError
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return False
+    return isinstance(exc, (RayActorError, ActorUnavailableError))

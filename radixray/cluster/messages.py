@@ -48,6 +48,9 @@ class WorkerInfo:
     role: str = "unified"
     kv_session: str | None = None  # prefill/decode: the KV transfer endpoint
     kv_layout: KVLayout | None = None
+    generation: int = 0  # the incarnation of its slot (the controller's count)
+    started_at: float = 0.0  # wall clock when the actor was created
+    weight_version: int = 0
 
 
 @dataclass(slots=True)

@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass
 
 from radixray.cluster.errors import unwrap_ray_error
+from radixray.cluster.router_client import RouterClient
 from radixray.rl.tasks import Problem
 
 logger = logging.getLogger("radixray.rl")
@@ -52,7 +53,7 @@ class RolloutManager:
     def __init__(self, controller, router, tokenizer, sampling: dict, priority: int = 0,
                  max_attempts: int = 3):
         self.controller = controller
-        self.router = router
+        self.router = RouterClient(router)
         self.tokenizer = tokenizer
         self.sampling = {**sampling, "return_logprob": True, "return_unscaled_logprob": True}
         self.priority = priority
@@ -84,19 +85,19 @@ class RolloutManager:
         excluded: list[str] = []
         errors: list[str] = []
         for attempt in range(self.max_attempts):
-            worker, _ = await self.router.pick.remote(text, None, excluded, attempt > 0)
+            worker, _ = await self.router.call("pick", text, None, excluded, attempt > 0)
             try:
                 entry = await self.controller.worker.remote(worker)
                 outs = await entry.handle.generate_group.remote(ids, n, per_sample, self.priority)
                 group = Group(problem, [self._sample(ids, out) for out in outs])
             except Exception as exc:  # noqa: BLE001 - the whole group goes to another worker
-                await self.router.release.remote(worker, False)
+                self.router.release(worker, False)
                 excluded.append(worker)
                 errors.append(f"{worker}: {unwrap_ray_error(exc)}")
                 logger.warning("rollout group failed on %s, resampling it elsewhere: %s",
                                worker, errors[-1])
                 continue
-            await self.router.release.remote(worker, True)
+            self.router.release(worker, True)
             return group
         raise RolloutFailed(f"a group could not be sampled ({self.max_attempts} attempts): "
                             + "; ".join(errors))

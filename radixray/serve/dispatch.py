@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator
 
 from radixray.cluster.errors import WorkerDraining, WorkerUnavailable, unwrap_ray_error
 from radixray.cluster.messages import SubmitRequest
+from radixray.cluster.router_client import RouterClient
 from radixray.cluster.routing import NoWorkerAvailable
 from radixray.engine.faults import BATCH_FAULT_STATUS
 from radixray.engine.messages import RequestUpdate
@@ -84,13 +85,14 @@ class Lease:
         self.refs -= 1
         if self.refs == 0:
             outcome = False if self.failed else (True if self.succeeded else None)
-            self.router.release.remote(self.worker, outcome)
+            self.router.release(self.worker, outcome)
 
 
 class Dispatcher:
     def __init__(self, controller, router, max_attempts: int = 3, backoff_s: float = 0.1,
                  sleep=asyncio.sleep):
-        self.controller, self.router = controller, router
+        self.controller = controller
+        self.router = router if isinstance(router, RouterClient) else RouterClient(router)
         self.max_attempts, self.backoff_s, self._sleep = max_attempts, backoff_s, sleep
         self.clients: dict[str, WorkerClient] = {}
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
@@ -150,13 +152,13 @@ class Dispatcher:
                 client = await self.client(worker)
                 return worker, await client.run(requests), attempts
             except WorkerDraining as exc:
-                self.router.release.remote(worker, None)
+                self.router.release(worker, None)
                 last = exc
             except WorkerUnavailable as exc:
-                self.router.release.remote(worker, False)
+                self.router.release(worker, False)
                 last = exc
             except BaseException:
-                self.router.release.remote(worker, None)
+                self.router.release(worker, None)
                 raise
             logger.warning("request not placed on %s (attempt %d/%d): %s", worker, attempts,
                            self.max_attempts, last)
@@ -164,18 +166,24 @@ class Dispatcher:
 
     async def _pick(self, route_text, session_id, tried, retry: bool, last) -> str:
         try:
-            worker, _reason = await self.router.pick.remote(route_text, session_id,
-                                                            sorted(tried), retry)
+            worker, _reason = await self.router.call("pick", route_text, session_id,
+                                                     sorted(tried), retry)
             return worker
-        except Exception as exc:
-            err = unwrap_ray_error(exc)
-            if not isinstance(err, NoWorkerAvailable):
-                raise err from None
+        except NoWorkerAvailable as exc:
+            err = exc
         if last is not None:
             raise last
-        if (await self.controller.health.remote()).draining:
+        if await self._fleet_draining():
             raise WorkerDraining("the fleet is draining and takes no new requests")
         raise WorkerUnavailable(f"no engine worker is available: {err}")
+
+    async def _fleet_draining(self) -> bool:
+        """Whether the whole fleet drains (False when the controller cannot say: it is
+        restarting, and the request gets the plain 503 of an unavailable fleet)."""
+        try:
+            return (await self.controller.health.remote()).draining
+        except Exception:  # noqa: BLE001 - the controller restarts; workers may still serve
+            return False
 
     async def _follow(self, request: SubmitRequest, stream, lease: Lease, route_text, session_id,
                       tried: set[str], attempts: int) -> AsyncIterator[RequestUpdate]:

@@ -14,11 +14,12 @@ from radixray.cluster.config import ServeConfig
 
 
 def get_or_create_controller(cfg: ServeConfig):
-    """Handle of the app's controller, creating it if nobody has (call ``start`` on it)."""
+    """Handle of the app's controller, creating it if nobody has (call ``start`` on it).
+    Ray restarts it after its process dies (``fleet.actor_max_restarts``)."""
     from radixray.actors.controller import controller_actor_class
     return controller_actor_class().options(
         name=cfg.controller_name(), namespace=cfg.namespace, get_if_exists=True, num_cpus=0,
-        max_concurrency=1000, lifetime="detached",
+        max_concurrency=1000, lifetime="detached", max_restarts=cfg.fleet.actor_max_restarts,
     ).remote(cfg.model_dump())
 
 

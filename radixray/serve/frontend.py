@@ -12,7 +12,12 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from radixray.cluster.errors import WorkerDraining, WorkerQueueFull, WorkerUnavailable
+from radixray.cluster.errors import (
+    WorkerDraining,
+    WorkerQueueFull,
+    WorkerUnavailable,
+    actor_unreachable,
+)
 from radixray.cluster.messages import SubmitRequest, WorkerInfo
 from radixray.engine.detokenizer import IncrementalDetokenizer
 from radixray.engine.messages import MetaInfo, RequestUpdate
@@ -35,6 +40,9 @@ class ApiError(Exception):
                           "code": self.code if self.code is not None else self.status}}
 
 
+RESTART_RETRY_S = 2  # Retry-After while a fleet actor restarts (Ray restarts one in ~1.5 s)
+
+
 def api_error_from(exc: BaseException) -> ApiError:
     """Map an exception from validation or the worker to the HTTP error the client sees."""
     if isinstance(exc, ApiError):
@@ -49,6 +57,10 @@ def api_error_from(exc: BaseException) -> ApiError:
                         type="service_unavailable", code="draining")
     if isinstance(exc, WorkerUnavailable):
         return ApiError(503, str(exc), type="service_unavailable", code="worker_unavailable")
+    if actor_unreachable(exc):  # the controller (or another fleet actor) is restarting
+        return ApiError(503, f"the fleet's controller is restarting; retry in a few seconds "
+                        f"({type(exc).__name__})", type="service_unavailable",
+                        code="fleet_restarting", headers={"Retry-After": str(RESTART_RETRY_S)})
     return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="internal_error")
 
 

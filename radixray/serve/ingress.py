@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ray import serve
 
 from radixray.cluster.config import ServeConfig
+from radixray.cluster.errors import actor_unreachable
 from radixray.serve import native_serving, openai_serving
 from radixray.serve.auth import AuthMiddleware, AuthPolicy, install_policy
 from radixray.serve.frontend import ApiError, Frontend, api_error_from
@@ -96,7 +97,10 @@ async def _on_body_too_large(request: Request, exc: BodyTooLarge):
 
 @app.exception_handler(Exception)
 async def _on_unexpected(request: Request, exc: Exception):
-    logger.exception("unexpected error on %s", request.url.path)
+    if actor_unreachable(exc):
+        logger.warning("%s: a fleet actor is restarting: %s", request.url.path, exc)
+    else:
+        logger.exception("unexpected error on %s", request.url.path)
     err = api_error_from(exc)
     return JSONResponse(err.body(), status_code=err.status)
 
@@ -188,7 +192,13 @@ class Ingress:
         draining, or no worker up, with each down worker's last error)."""
         if not self._ready:
             return JSONResponse({"status": "starting", "detail": "warming up"}, status_code=503)
-        h = await self.controller.health.remote()
+        try:
+            h = await self.controller.health.remote()
+        except Exception as exc:
+            if not actor_unreachable(exc):
+                raise
+            return JSONResponse({"status": "unavailable", "detail": "the fleet's controller is "
+                                 "restarting"}, status_code=503)
         if h.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         if h.routable == 0:
@@ -395,6 +405,8 @@ class Ingress:
         try:
             return await call
         except Exception as exc:  # noqa: BLE001 - admin errors name the problem
+            if actor_unreachable(exc):
+                raise  # 503 fleet_restarting (api_error_from)
             err = unwrap_ray_error(exc)
             status = 404 if isinstance(err, KeyError) else 400
             raise ApiError(status, str(err).strip("'\""), param="worker_id"

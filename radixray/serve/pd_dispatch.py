@@ -23,7 +23,7 @@ import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
-from radixray.cluster.errors import WorkerDraining, WorkerUnavailable, unwrap_ray_error
+from radixray.cluster.errors import WorkerDraining, WorkerUnavailable
 from radixray.cluster.messages import SubmitRequest
 from radixray.cluster.routing import NoWorkerAvailable
 from radixray.engine.disaggregation.messages import MAX_ROOM, PDBootstrap
@@ -67,13 +67,10 @@ class PDDispatcher(Dispatcher):
         """Pick a pair, submit to both; raises after PD_ATTEMPTS (WorkerUnavailable)."""
         while len(errors) < PD_ATTEMPTS:
             try:
-                p, d, _ = await self.router.pick_pair.remote(route_text, session_id,
-                                                             sorted(tried), bool(errors))
-            except Exception as exc:
-                err = unwrap_ray_error(exc)
-                if not isinstance(err, NoWorkerAvailable):
-                    raise err from None
-                if not errors and (await self.controller.health.remote()).draining:
+                p, d, _ = await self.router.call("pick_pair", route_text, session_id,
+                                                 sorted(tried), bool(errors))
+            except NoWorkerAvailable as err:
+                if not errors and await self._fleet_draining():
                     raise WorkerDraining("the fleet is draining and takes no new requests") \
                         from None
                 raise WorkerUnavailable(self._summary(errors + [f"no pair left: {err}"])) \
@@ -91,10 +88,10 @@ class PDDispatcher(Dispatcher):
             for w, x in ((p, p_out), (d, d_out)):
                 if isinstance(x, BaseException):
                     bad = isinstance(x, WorkerUnavailable)
-                    self.router.release.remote(w, False if bad else None)
+                    self.router.release(w, False if bad else None)
                 else:
                     await close_all(x)
-                    self.router.release.remote(w, None)
+                    self.router.release(w, None)
             worker, exc = failed[0]
             if isinstance(exc, ValueError) or not isinstance(exc, (WorkerDraining,
                                                                    WorkerUnavailable)):

@@ -158,10 +158,12 @@ def _stream_generate(base: str, text: str, max_new_tokens: int, results: list) -
 
 
 def _busy_worker(base: str, want: str | None = None) -> str:
-    """A worker (``want``, if given) that the router has sent an unfinished request to."""
+    """A worker (``want``, if given) that holds an unfinished request (the worker's own
+    count: the router counts a request from its pick, before the worker has it)."""
+    import ray
     for _ in range(200):
-        loads = {w: s["load"] for w, s in _state(base)["router"]["workers"].items()}
-        busy = [w for w, n in loads.items() if n > 0 and want in (None, w)]
+        inflight = ray.get(_controller().inflight_rids.remote())
+        busy = [w for w in sorted(inflight) if want in (None, w)]
         if busy:
             return busy[0]
         time.sleep(0.05)

@@ -1,26 +1,36 @@
-"""Fault isolation through the served app (one engine worker behind the controller): legal
-extreme sampling values with the official openai client, a fuzzer over the OpenAPI schema,
-one faulty forward pass, and faults on every step (the worker is restarted once, then
-stays down and /health says why).
+"""Fault isolation through the served app (one engine worker behind the controller, API
+and admin keys on): legal extreme sampling values with the official openai client, a
+fuzzer over the OpenAPI schema (bodies, parameters and headers, the Authorization
+header included), one faulty forward pass, and faults on every step (the worker is
+restarted once, then stays down and /health says why).
 
 The tests run in file order and the last one leaves the fleet down on purpose.
 """
 
+import re
 import time
 
 import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 from serving_helpers import free_port, metric, served, tiny_config
 
+from radixray.serve.auth import AuthPolicy
+
 RESTART_DEADLINE_S = 120.0
+API_KEY, ADMIN_KEY = "sk-fuzz-api-0123456789", "sk-fuzz-admin-0123456789"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+INVALID_ONLY = ("^/fleet/workers/|^/pause_generation|^/init_weights_update_group"
+                "|^/update_weights_from_")
 CONFIG: dict = {}
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    CONFIG.update(tiny_config(tiny_llama_dir, free_port()))
+    CONFIG.update(tiny_config(tiny_llama_dir, free_port(), api_key=API_KEY,
+                              admin_api_key=ADMIN_KEY))
     # A short context bounds the fuzzer's work: no request can ask for more than 96 tokens.
     CONFIG["engine"].update(context_length=96, max_consecutive_failed_steps=2)
     CONFIG["fleet"] = {"workers": 1, "health_check_interval_s": 0.5, "max_restarts": 1}
@@ -32,7 +42,7 @@ def server(tiny_llama_dir):
 @pytest.fixture(scope="module")
 def client(server):
     from openai import OpenAI
-    return OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    return OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
 
 
 def _worker():
@@ -46,11 +56,11 @@ def _worker():
 
 
 def _record(base: str) -> dict:
-    return httpx.get(f"{base}/fleet", timeout=60).json()["workers"][0]
+    return httpx.get(f"{base}/fleet", headers=ADMIN, timeout=60).json()["workers"][0]
 
 
 def _kv_whole(base: str) -> None:
-    kv = httpx.get(f"{base}/debug/kv_conservation", timeout=60)
+    kv = httpx.get(f"{base}/debug/kv_conservation", headers=ADMIN, timeout=60)
     assert kv.status_code == 200, kv.text
     w = kv.json()["worker-0"]
     assert w["running"] == 0 and w["waiting"] == 0 and w["free"] + w["cached"] == w["pool"]
@@ -68,35 +78,65 @@ def test_extreme_legal_sampling_values_through_the_openai_client(server, client)
     assert again.choices[0].text and again.usage.completion_tokens >= 1
 
 
+# The Authorization header a fuzzed request carries (the admin key most often, so most
+# cases reach their route), and other headers beside the operation's own.
+AUTHORIZATIONS = [f"Bearer {ADMIN_KEY}"] * 4 + [f"Bearer {API_KEY}", None, "Bearer wrong-key",
+                                                "Basic dXNlcjpwYXNz", "Bearer", "bearer " + ADMIN_KEY]
+HEADER_TEXT = st.from_regex(r"\A([!-~]([ -~]{0,38}[!-~])?)?\Z")  # what a client may send
+EXTRA_HEADERS = st.dictionaries(
+    st.sampled_from(["X-Session-Id", "Accept", "Accept-Encoding", "Content-Type", "X-Request-Id",
+                     "User-Agent", "X-Forwarded-For", "Cookie"]) | st.from_regex(
+        r"\AX-[A-Za-z0-9-]{1,20}\Z"), HEADER_TEXT, max_size=4)
+
+
+def _expected_refusal(path: str, authorization: str | None) -> int | None:
+    """401 when ``authorization`` does not open ``path`` (the ingress's own policy decides)."""
+    refusal = AuthPolicy(API_KEY, ADMIN_KEY).refusal(path, authorization)
+    return refusal[0] if refusal else None
+
+
 def _fuzz(base: str, max_examples: int) -> int:
     """Send schemathesis' valid and invalid cases for every operation of the app's OpenAPI
-    schema; assert none gets a 5xx. Returns how many requests went out."""
+    schema, each with a drawn Authorization header and extra headers; assert none gets a
+    5xx and every one without the right key gets its 401. Returns how many went out."""
     from hypothesis import given
     from hypothesis.errors import Unsatisfiable
-    # Left out: drain/resume (draining the only worker is a 503 by design), pause_generation
-    # (a paused fleet holds every later request until continued), and the weight updates
-    # (keep_paused holds it too; a weight-update group waits for its trainer to join).
-    schema = schemathesis.openapi.from_url(f"{base}/openapi.json").exclude(
-        path_regex="^/fleet/workers/|^/pause_generation|^/init_weights_update_group"
-                   "|^/update_weights_from_")
+    # Invalid cases only for: drain/resume (draining the only worker is a 503 by design),
+    # pause_generation (a paused fleet holds every later request until continued), and the
+    # RL weight endpoints (keep_paused holds it too; a weight-update group waits for its
+    # trainer to join). Their invalid cases are refused before anything happens.
+    schema = schemathesis.openapi.from_url(f"{base}/openapi.json", headers=ADMIN)
     sent = 0
     for result in schema.get_all_operations():
         operation = result.ok()
-        for mode in schemathesis.GenerationMode:
+        modes = list(schemathesis.GenerationMode)
+        if re.match(INVALID_ONLY, operation.path):
+            modes = [schemathesis.GenerationMode.NEGATIVE]
+        for mode in modes:
             @settings(max_examples=max_examples, deadline=None, database=None,
                       suppress_health_check=list(HealthCheck))
-            @given(case=operation.as_strategy(generation_mode=mode))
-            def call(case):
+            @given(case=operation.as_strategy(generation_mode=mode),
+                   authorization=st.sampled_from(AUTHORIZATIONS), extra=EXTRA_HEADERS)
+            def call(case, authorization, extra):
                 nonlocal sent
+                headers = {**extra, **(case.headers or {})}
+                headers.pop("Authorization", None)
+                if authorization is not None:
+                    headers["Authorization"] = authorization
+                case.headers = headers
                 response = case.call(base_url=base, timeout=120)
                 sent += 1
-                assert response.status_code < 500, (
-                    f"{case.method} {case.path} {case.body!r} -> {response.status_code} "
-                    f"{response.text[:500]}")
+                what = (f"{case.method} {case.formatted_path} {headers} {case.body!r} -> "
+                        f"{response.status_code} {response.text[:500]}")
+                assert response.status_code < 500, what
+                refused = _expected_refusal(case.formatted_path, authorization)
+                if refused is not None:
+                    assert response.status_code == refused, what
             try:
                 call()
             except Unsatisfiable:  # nothing to make invalid (no parameters, no body)
                 assert mode is schemathesis.GenerationMode.NEGATIVE, operation.label
+    print(f"fuzzer: {sent} requests")  # the figure docs/reliability.md reports (-s)
     return sent
 
 
@@ -114,7 +154,8 @@ def test_still_serving_after_the_fuzzer(server, client):
     assert r.usage.completion_tokens >= 1
     assert httpx.get(f"{server}/health", timeout=60).status_code == 200
     for _ in range(200):  # streams the fuzzer dropped are aborted asynchronously
-        kv = httpx.get(f"{server}/debug/kv_conservation", timeout=60).json()["worker-0"]
+        kv = httpx.get(f"{server}/debug/kv_conservation", headers=ADMIN,
+                       timeout=60).json()["worker-0"]
         if kv["running"] == 0 and kv["waiting"] == 0:
             break
         time.sleep(0.1)
@@ -174,7 +215,7 @@ def test_faults_on_every_step_restart_the_worker_then_it_stays_down(server, clie
     assert "scheduler steps failed in a row" in body["errors"]["worker-0"]
     probe = httpx.get(f"{server}/health_generate", timeout=60)
     assert probe.status_code == 503 and probe.json()["status"] == "unavailable"
-    refused = httpx.post(f"{server}/generate", timeout=60, json={"text": "anyone?",
+    refused = httpx.post(f"{server}/generate", timeout=60, headers=ADMIN, json={"text": "anyone?",
                                                               "sampling_params": {"max_new_tokens": 2}})
     assert refused.status_code == 503
     assert refused.json()["error"]["type"] == "service_unavailable"

@@ -4,7 +4,7 @@ Covers what is hard to provoke on a real cluster: a health probe that times out
 cancels its request on the worker; a worker that dies mid-request ends the
 request with an error instead of hanging it; a request that fails before its
 first token is retried on another worker (unless its own batch failed), and the
-router hears every outcome.
+router hears every outcome; a router that is restarting is waited for.
 """
 
 import asyncio
@@ -14,10 +14,11 @@ from model_fixtures import byte_bpe_tokenizer
 
 from radixray.cluster.errors import WorkerDraining
 from radixray.cluster.messages import ChannelState, FleetHealth, WorkerEntry, WorkerInfo
+from radixray.cluster.router_client import RouterClient
 from radixray.cluster.routing import NoWorkerAvailable
 from radixray.engine.messages import MetaInfo, RequestUpdate
 from radixray.serve.dispatch import Dispatcher
-from radixray.serve.frontend import ApiError, Frontend
+from radixray.serve.frontend import ApiError, Frontend, api_error_from
 
 
 class _Method:
@@ -206,3 +207,60 @@ def test_a_batch_fault_is_a_500_and_not_retried():
     assert [w for w, _ in router.picks] == ["w0"] and router.released == [("w0", False)]
     err = choice.api_error()
     assert err.status == 500 and err.body()["error"]["type"] == "server_error"
+
+
+class RestartingRouter(FakeRouter):
+    """A router actor that is down (restarting) for its first ``down`` picks."""
+
+    def __init__(self, order: list[str], down: int, error=None):
+        super().__init__(order)
+        from ray.exceptions import ActorUnavailableError
+        self.down = down
+        self.error = error or ActorUnavailableError("The actor is restarting.", None)
+        self.pick = _Method(self._maybe_down)
+
+    async def _maybe_down(self, *args):
+        if self.down:
+            self.down -= 1
+            raise self.error
+        return await self._pick(*args)
+
+
+def _with_router(router, *workers: FakeWorker) -> Frontend:
+    named = {f"w{i}": w for i, w in enumerate(workers)}
+    router.order = list(named)
+    dispatcher = Dispatcher(FakeController(named), RouterClient(router, wait_s=5.0,
+                                                                sleep=_no_sleep),
+                            max_attempts=3, backoff_s=0.0)
+    info = WorkerInfo("w0", "fake", context_len=64, vocab_size=400, max_total_tokens=4096,
+                      draining=False)
+    return Frontend(byte_bpe_tokenizer(), info, "fake", dispatcher)
+
+
+async def _no_sleep(_seconds):
+    await asyncio.sleep(0)
+
+
+def test_a_restarting_router_is_waited_for_not_failed():
+    router = RestartingRouter([], down=3)
+    fe = _with_router(router, FakeWorker("finish"))
+    choice = _run(fe)
+    assert choice.error is None and choice.output_ids == [7, 8]
+    assert fe.dispatcher.router.waits == 1 and router.picks == [("w0", False)]
+
+
+def test_a_router_down_for_good_is_a_clean_503():
+    from ray.exceptions import ActorDiedError
+    router = RestartingRouter([], down=10**9, error=ActorDiedError())
+    fe = _with_router(router, FakeWorker("finish"))
+    fe.dispatcher.router.wait_s = 0.0
+    with pytest.raises(ApiError) as err:
+        _run(fe)
+    assert err.value.status == 503 and "router is unreachable" in err.value.message
+
+
+def test_an_unreachable_controller_is_a_503_naming_the_restart():
+    from ray.exceptions import ActorUnavailableError
+    err = api_error_from(ActorUnavailableError("The actor is restarting.", None))
+    assert err.status == 503 and err.code == "fleet_restarting"
+    assert err.headers["Retry-After"] == "2"
