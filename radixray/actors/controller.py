@@ -70,6 +70,7 @@ class Controller(FleetOperations):
         self.pd = PDBootstrapService()  # prefill-decode endpoints and handshake
         self.policy = self.cfg.router.policy  # the routing policy, as set at run time
         self.restarted = reconstructed()
+        self._group_locks: dict[int, asyncio.Lock] = {}  # one replacement per group at a time
         if self.restarted:  # Ray restarted this actor: rebuild the fleet from its actors now
             logger.warning("controller restarted: rebuilding the fleet %s from its running "
                            "actors", self.cfg.controller_name())
@@ -98,7 +99,7 @@ class Controller(FleetOperations):
         bundle = self.cfg.worker_bundle()
         if bundle and self.placement_group is None:
             from ray.util import placement_group
-            self.placement_group = placement_group([dict(bundle)] * fleet.total_workers,
+            self.placement_group = placement_group([dict(bundle)] * len(self.cfg.slot_roles()),
                                                    strategy=fleet.placement_strategy,
                                                    name=f"{self.cfg.controller_name()}-workers",
                                                    lifetime="detached")
@@ -109,17 +110,22 @@ class Controller(FleetOperations):
             max_restarts=fleet.actor_max_restarts).remote(
                 self.cfg.router.settings(), ray.get_runtime_context().current_actor,
                 self._owner_name())
-        records = [self.registry.add(i, role) for i, role in enumerate(fleet.roles())]
+        records = [self.registry.add(i, role) for i, role in enumerate(self.cfg.slot_roles())]
         adopted = 0
-        for rec in records:
-            if saved is not None:
-                rec.generation, rec.restarts = saved.slots.get(rec.worker_id, (0, 0))
-            rec.handle = self._find_worker(rec)
-            if rec.handle is None:
-                self._launch(rec)
-            else:
-                adopted += 1
-                rec.set_state("starting")
+        for group in self._groups(records):
+            for rec in group:
+                if saved is not None:
+                    rec.generation, rec.restarts = saved.slots.get(rec.worker_id, (0, 0))
+                rec.handle = self._find_worker(rec)
+            if all(rec.handle is not None for rec in group):
+                adopted += len(group)
+                for rec in group:
+                    rec.set_state("starting")
+                continue
+            for rec in group:  # an expert-parallel group starts whole (a lone rank cannot join)
+                self._kill(rec)
+            await self._names_released(group)
+            await self._launch_group(group)
         await asyncio.gather(*(self._await_ready(rec) for rec in records))
         ready = [r for r in records if r.state in ("ready", "draining")]
         if not ready:
@@ -162,10 +168,11 @@ class Controller(FleetOperations):
         except ValueError:
             return None
 
-    async def _name_released(self, rec: WorkerRecord) -> None:
-        """Wait until a killed worker's actor name is free for its successor."""
+    async def _names_released(self, group: list[WorkerRecord]) -> None:
+        """Wait until killed workers' actor names are free for their successors."""
         deadline = time.monotonic() + NAME_RELEASE_S
-        while self._find_worker(rec) is not None and time.monotonic() < deadline:
+        while any(self._find_worker(r) is not None for r in group) and \
+                time.monotonic() < deadline:
             await asyncio.sleep(0.1)
 
     async def republish(self) -> None:
@@ -182,8 +189,41 @@ class Controller(FleetOperations):
         self.placement_group, self._first_bundle = group, first_bundle
         self._owns_placement_group = False
 
-    def _launch(self, rec: WorkerRecord) -> None:
-        """Create the worker actor for ``rec`` in its bundle (returns at once)."""
+    # ---- expert-parallel groups ---------------------------------------------------------
+    @property
+    def ep_size(self) -> int:
+        """Ranks per expert-parallel group: consecutive worker slots (1: no EP)."""
+        return self.cfg.engine.ep_size
+
+    def _groups(self, records: list[WorkerRecord]) -> list[list[WorkerRecord]]:
+        """``records`` (in slot order) cut into their expert-parallel groups."""
+        ep = self.ep_size
+        return [records[i:i + ep] for i in range(0, len(records), ep)]
+
+    def _group_of(self, rec: WorkerRecord) -> list[WorkerRecord]:
+        ep = self.ep_size
+        return [r for r in self.registry if r.index // ep == rec.index // ep]
+
+    async def _launch_group(self, group: list[WorkerRecord]) -> None:
+        """Create the actors of one group (one worker without EP). The ranks of an EP group
+        meet at a rendezvous address on the node of its first rank."""
+        address = await self._rendezvous(group[0]) if self.ep_size > 1 else None
+        for rank, rec in enumerate(group):
+            self._launch(rec, {"ep_rank": rank, "ep_init_method": address} if address else None)
+
+    async def _rendezvous(self, rec: WorkerRecord) -> str:
+        """``tcp://ip:port`` free on the node of ``rec``'s bundle (a task placed there)."""
+        import ray
+        options = {"num_cpus": 0}
+        if self.placement_group is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                self.placement_group, placement_group_bundle_index=self._first_bundle + rec.index)
+        return await ray.remote(_free_address).options(**options).remote()
+
+    def _launch(self, rec: WorkerRecord, ep: dict | None = None) -> None:
+        """Create the worker actor for ``rec`` in its bundle (returns at once); ``ep``: its
+        rank and rendezvous in an expert-parallel group."""
         from radixray.actors.engine_worker import worker_actor_class
         s = self.cfg.server
         options = dict(num_cpus=s.worker_num_cpus, num_gpus=s.worker_num_gpus,
@@ -196,7 +236,8 @@ class Controller(FleetOperations):
         rec.handle = worker_actor_class().options(
             name=self.cfg.worker_name(rec.worker_id), namespace=self.cfg.namespace,
             lifetime="detached", **options).remote(
-            self.cfg.engine_options_for(rec.role), rec.worker_id, s.warmup, s.log_level,
+            {**self.cfg.engine_options_for(rec.role), **(ep or {})}, rec.worker_id, s.warmup,
+            s.log_level,
             cores_shared_by=self._workers_per_node(), niceness=s.worker_niceness,
             fleet=ray.get_runtime_context().current_actor,
             compute_nice_offset=s.pd_compute_nice_offset, slo=(s.slo_ttft_s, s.slo_tpot_s),
@@ -211,7 +252,7 @@ class Controller(FleetOperations):
         # PACK puts every bundle on one node when it fits (the local and single-node case);
         # SPREAD strategies put one per node.
         return 1 if "SPREAD" in self.cfg.fleet.placement_strategy else \
-            self.cfg.fleet.total_workers
+            len(self.cfg.slot_roles())
 
     async def _await_ready(self, rec: WorkerRecord) -> None:
         """Wait for the worker's constructor (model load + warm-up); record the outcome. A
@@ -222,7 +263,7 @@ class Controller(FleetOperations):
             self._mark_dead(rec, f"start-up failed: {unwrap_ray_error(exc)}")
             return
         rec.kv_session, rec.kv_layout = info.kv_session, info.kv_layout
-        rec.generation, rec.started_at = info.generation, info.started_at
+        rec.generation, rec.started_at, rec.pid = info.generation, info.started_at, info.pid
         rec.weight_version = info.weight_version
         behind = None
         if info.weight_version != self.weights.version:
@@ -365,29 +406,46 @@ class Controller(FleetOperations):
             pass
 
     async def _replace(self, rec: WorkerRecord) -> None:
-        """Start a new actor in a dead worker's slot, or give up on it."""
+        """Start a new actor in a dead worker's slot, or give up on it. An expert-parallel
+        group is replaced whole: its other ranks cannot go on without the dead one."""
+        group = self._group_of(rec)
+        async with self._group_locks.setdefault(group[0].index, asyncio.Lock()):
+            if rec.state != "dead":
+                return  # replaced meanwhile (with its group)
+            fleet = self.cfg.fleet
+            for other in group:
+                if other is not rec and other.state not in ("dead", "failed"):
+                    self._mark_dead(other, f"its expert-parallel group lost {rec.worker_id}: "
+                                           f"{rec.error}")
+                self._kill(other)  # a failed engine's actor still runs: it holds a bundle
+            if not fleet.restart_dead_workers or rec.restarts >= fleet.max_restarts:
+                for other in group:
+                    other.set_state("failed")
+                logger.error("worker %s stays down (restarts %d, limit %d, restarts %s)",
+                             rec.worker_id, rec.restarts, fleet.max_restarts,
+                             "on" if fleet.restart_dead_workers else "off")
+                await self._publish()
+                return
+            for other in group:
+                other.restarts += 1
+                other.generation += 1
+            logger.warning("restarting worker %s (restart %d)%s", rec.worker_id, rec.restarts,
+                           f" with its expert-parallel group {[r.worker_id for r in group]}"
+                           if len(group) > 1 else "")
+            await self._names_released(group)
+            await self._launch_group(group)
+            await asyncio.gather(*(self._await_ready(r) for r in group))
+        await self._publish()
+
+    @staticmethod
+    def _kill(rec: WorkerRecord) -> None:
         import ray
-        if rec.state != "dead":
+        if rec.handle is None:
             return
-        fleet = self.cfg.fleet
-        try:  # a failed engine's actor still runs: it holds memory and a bundle
+        try:
             ray.kill(rec.handle, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
-        if not fleet.restart_dead_workers or rec.restarts >= fleet.max_restarts:
-            rec.set_state("failed")
-            logger.error("worker %s stays down (restarts %d, limit %d, restarts %s)",
-                         rec.worker_id, rec.restarts, fleet.max_restarts,
-                         "on" if fleet.restart_dead_workers else "off")
-            await self._publish()
-            return
-        rec.restarts += 1
-        rec.generation += 1
-        logger.warning("restarting worker %s (restart %d)", rec.worker_id, rec.restarts)
-        await self._name_released(rec)
-        self._launch(rec)
-        await self._await_ready(rec)
-        await self._publish()
 
     async def _publish(self) -> None:
         """Tell the router which workers take new requests (and their roles), and their
@@ -413,3 +471,14 @@ class Controller(FleetOperations):
 def controller_actor_class():
     import ray
     return ray.remote(Controller)
+
+
+def _free_address() -> str:
+    """A rendezvous address for torch.distributed on this node (run as a Ray task)."""
+    import socket
+
+    import ray
+    ip = ray.util.get_node_ip_address()
+    with socket.socket() as sock:
+        sock.bind((ip, 0))
+        return f"tcp://{ip}:{sock.getsockname()[1]}"

@@ -216,7 +216,8 @@ class EngineWorker:
         return WorkerInfo(self.worker_id, self.engine.config.model, limits.context_len,
                           limits.vocab_size, limits.max_total_tokens, self.draining, self.role,
                           pd.session if pd else None, pd.layout if pd else None,
-                          self.generation, self.started_at, self.engine.get_weight_version())
+                          self.generation, self.started_at, self.engine.get_weight_version(),
+                          os.getpid())
 
     # ---- prefill-decode disaggregation (engine/disaggregation/, actors/pd_outbox.py) -----
     async def pd_deliver(self, message) -> None:

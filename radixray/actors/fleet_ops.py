@@ -140,7 +140,7 @@ class FleetOperations:
     async def fleet_state(self) -> dict:
         """The admin view: every worker's record plus the router's state."""
         router = await self.router.state.remote() if self.router is not None else None
-        out = {"app": self.cfg.app_name, "draining": self.draining,
+        out = {"app": self.cfg.app_name, "draining": self.draining, "ep_size": self.ep_size,
                "controller": {"restarted": self.restarted, "started_at": self._started_at,
                               "policy": self.policy},
                "workers": [r.as_json() for r in self.registry], "router": router}

@@ -274,6 +274,9 @@ class ServeConfig(BaseModel):
         if self.engine.disaggregation_mode is not None:
             raise ValueError("engine.disaggregation_mode is set per worker by the fleet: use "
                              "fleet.prefill_workers and fleet.decode_workers")
+        if self.engine.ep_size > 1 and self.fleet.disaggregated:
+            raise ValueError(f"engine.ep_size={self.engine.ep_size} with prefill-decode "
+                             f"disaggregation (fleet.prefill_workers) is not supported yet")
         for role in ("prefill", "decode"):
             if self.fleet.disaggregated:
                 try:
@@ -282,6 +285,11 @@ class ServeConfig(BaseModel):
                     raise ValueError(f"fleet.{role}_engine: "
                                      f"{format_validation_error(exc, role + '_engine')}") from None
         return self
+
+    def slot_roles(self) -> list[str]:
+        """One role per worker actor, in slot order: each worker of ``fleet.roles()`` is
+        ``engine.ep_size`` consecutive rank actors (an expert-parallel group)."""
+        return [role for role in self.fleet.roles() for _ in range(self.engine.ep_size)]
 
     def engine_options_for(self, role: str) -> dict:
         """The engine options of a worker of ``role`` (unified, prefill or decode)."""

@@ -51,6 +51,7 @@ class WorkerInfo:
     generation: int = 0  # the incarnation of its slot (the controller's count)
     started_at: float = 0.0  # wall clock when the actor was created
     weight_version: int = 0
+    pid: int = 0  # the actor's process
 
 
 @dataclass(slots=True)
@@ -80,6 +81,7 @@ class WorkerLoad:
     role: str = "unified"
     kv_slot_leak: int = 0  # the last KV accounting audit's difference (engine/kv_audit.py)
     pd: dict | None = None  # prefill/decode: queues, failures, finished transfers (pd_metrics)
+    eplb: dict | None = None  # with enable_eplb: ExpertBalancer.snapshot() (engine/eplb.py)
 
     def as_json(self) -> dict:
         return asdict(self)

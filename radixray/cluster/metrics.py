@@ -43,7 +43,8 @@ def scheduler_snapshot(scheduler) -> WorkerLoad:
         num_retracted_reqs=st.num_retracted_reqs, num_aborted_reqs=st.num_aborted_reqs,
         failed_steps=scheduler.faults.total, engine_failed=scheduler.faults.failed is not None,
         paused=scheduler.paused, kv_slot_leak=scheduler.kv_audit.leak,
-        pd=side_snapshot(scheduler.pd) if scheduler.pd is not None else None)
+        pd=side_snapshot(scheduler.pd) if scheduler.pd is not None else None,
+        eplb=eplb.snapshot() if (eplb := getattr(scheduler.runner, "eplb", None)) else None)
 
 
 class WorkerMetrics:
@@ -173,6 +174,16 @@ class WorkerMetrics:
         eff.add_metric(w + ["input"], float(snapshot.prefill_input_tokens))
         eff.add_metric(w + ["device_hit"], float(snapshot.prefill_cached_tokens))
         out.append(eff)
+        if snapshot.eplb is not None:
+            g = GaugeMetricFamily(PREFIX + "eplb_balancedness", "Expert load balance of the "
+                                  "current placement on the last eplb_window_size forward "
+                                  "passes: mean over max of the per-rank load (1 = even).",
+                                  labels=["worker"])
+            g.add_metric(w, snapshot.eplb["balancedness"])
+            c = CounterMetricFamily(PREFIX + "eplb_rebalances", "Expert rebalances run.",
+                                    labels=["worker"])
+            c.add_metric(w, float(snapshot.eplb["rebalances"]))
+            out += [g, c]
         return out
 
 

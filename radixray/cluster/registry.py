@@ -42,6 +42,7 @@ class WorkerRecord:
     error: str | None = None  # why it last died
     kv_session: str | None = None  # prefill/decode: its KV transfer endpoint (host:port)
     kv_layout: object | None = None  # prefill/decode: its KV pool layout (KVLayout)
+    pid: int | None = None  # the actor's process id (on its node)
 
     def set_state(self, state: str) -> None:
         if state not in STATES:
@@ -56,7 +57,7 @@ class WorkerRecord:
                 "weight_version": self.weight_version, "started_at": self.started_at,
                 "ready_at": self.ready_at, "last_ping_at": self.last_ping_at,
                 "healthy": self.healthy, "load": self.load.as_json() if self.load else {},
-                "error": self.error, "kv_session": self.kv_session}
+                "error": self.error, "kv_session": self.kv_session, "pid": self.pid}
 
 
 class Registry:

@@ -95,6 +95,26 @@ class EngineConfig:
     max_consecutive_failed_steps: int = option(3, "a fault in this many scheduler steps in a "
                                                "row fails the engine (requests then get 503 "
                                                "and a serving worker is restarted)", ge=1)
+    ep_num_redundant_experts: int = option(
+        0, "MoE models: spare physical expert slots per MoE layer, holding copies of the "
+        "busiest experts (weight loading and updates write every copy)", ge=0)
+    enable_eplb: bool = option(False, "MoE models: count the tokens routed to each expert "
+                               "and move the redundant copies to even out the load (EPLB)")
+    eplb_rebalance_num_iterations: int = option(
+        1000, "with enable_eplb: forward passes between two automatic rebalances (0: only "
+        "when asked, Engine.rebalance_experts)", ge=0)
+    eplb_window_size: int = option(1000, "with enable_eplb: the forward passes whose expert "
+                                   "load a rebalance plans for (a sliding window)", ge=1)
+    ep_size: int = option(1, "MoE models: expert parallelism over this many ranks (one "
+                          "process each; a serving worker becomes a group of rank actors), "
+                          "each holding 1/ep_size of the expert slots and its own requests",
+                          ge=1)
+    ep_dispatch_backend: str = option(
+        "collectives", "with ep_size > 1: how tokens reach the ranks of their experts "
+        "(collectives: torch.distributed all_to_all, CPU and GPU; deepep: DeepEP kernels, GPU)",
+        choices=("collectives", "deepep"))
+    ep_timeout_s: float = option(300.0, "with ep_size > 1: a collective waiting this long "
+                                 "for a rank fails the group (which is restarted whole)", gt=0)
 
     def __post_init__(self):
         options.validate(self)

@@ -13,12 +13,15 @@ import torch
 
 from radixray.engine.config import EngineConfig
 from radixray.engine.detokenizer import IncrementalDetokenizer
+from radixray.engine.ep_group import join_ep_group
+from radixray.engine.eplb import ExpertBalancer, model_expert_options, request_rebalance
 from radixray.engine.faults import ENGINE_FAILED_STATUS, EngineFailed, EngineHealth
 from radixray.engine.inputs import Limits, build_requests
 from radixray.engine.loader import resolve_model
 from radixray.engine.memory_saver import MemorySaver
 from radixray.engine.messages import MetaInfo, RequestUpdate
 from radixray.engine.model_runner import ModelRunner
+from radixray.engine.models import model_class_for
 from radixray.engine.request import Req
 from radixray.engine.scheduler import AbortCommand, CallInLoop, Scheduler
 from radixray.engine.stop import StopChecker, eos_token_ids
@@ -91,14 +94,18 @@ class Engine:
     """
 
     def __init__(self, model: str = "default", *, worker_id: str = "engine",
-                 kv_transport=None, **options):
+                 kv_transport=None, ep_rank: int = 0, ep_init_method: str | None = None,
+                 **options):
         """``worker_id`` names this engine to a disaggregated peer; ``kv_transport``
-        replaces the Mooncake transport of a prefill or decode engine (tests)."""
+        replaces a prefill or decode engine's Mooncake transport (tests). ``ep_rank`` /
+        ``ep_init_method``: with ``ep_size`` > 1, this rank and its group's rendezvous."""
         self.config = EngineConfig.from_kwargs(model=model, **options)
         source = resolve_model(self.config.model)
         self.tokenizer = source.tokenizer
         self.hf_config = source.config
-        self.runner = ModelRunner(self.config, source)
+        model_expert_options(self.config, model_class_for(source.config))  # before joining
+        self.runner = ModelRunner(self.config, source, join_ep_group(
+            self.config, ep_rank, ep_init_method))
         stop_checker = StopChecker(self.tokenizer, eos_token_ids(self.tokenizer, source.config))
         self.scheduler = Scheduler(self.config, self.runner, stop_checker, self._on_output)
         self.limits = Limits(self.runner.vocab_size, self.runner.context_len,
@@ -116,6 +123,8 @@ class Engine:
             self.pd = PDLink(self.config.disaggregation_mode, worker_id, self.scheduler,
                              self.runner.kv_pool, self.config, kv_transport)
         self.weights = WeightUpdater(self.runner, self.scheduler, self.memory)
+        self.runner.eplb = ExpertBalancer.create(self.config, self.runner.model,
+                                                 self.weights.exclusive)
         self._thread = threading.Thread(target=self._loop, name="radixray-scheduler", daemon=True)
         self._thread.start()
 
@@ -373,6 +382,15 @@ class Engine:
 
     def get_weight_version(self) -> int:
         return self.weights.version
+
+    # ---- expert placement (engine/eplb.py) ---------------------------------------------
+    def rebalance_experts(self, timeout: float = 600.0) -> dict:
+        """Rebalance the MoE model's expert copies for the load of the last
+        ``eplb_window_size`` forward passes, between two of them, and return the
+        ``RebalanceReport`` as a dict. Waits while a weight-update session is open (at
+        most ``timeout`` s: TimeoutError); ValueError without ``enable_eplb`` or while the
+        weights are released."""
+        return request_rebalance(self.runner.eplb, self.call_in_loop, self.weights, timeout)
 
     def flush_cache(self) -> bool:
         """Drop all cached prefixes. False while requests are running (nothing changes then)."""

@@ -10,7 +10,8 @@ of every step; the planner moves experts so that each rank gets about the same l
 - :class:`ExpertPlacement` is the map in both directions, and
   :meth:`ExpertPlacement.to_physical` sends routed tokens to copies.
 - :func:`plan` turns a load (``eplb_stats.ExpertLoadWindow.totals()``) into a new
-  placement; :func:`moves` counts the expert weights that must travel to apply it.
+  placement; :func:`keep_in_place` renumbers it so that experts stay where they are
+  when they may; :func:`moves` counts the expert weights that must travel to apply it.
 
 The measures (the load window, ``balancedness``) are in ``eplb_stats``. Pure Python and
 torch on the CPU: no Ray, no model. Ranks are numbered node-major: rank ``r`` is on
@@ -229,6 +230,62 @@ def moves(old: ExpertPlacement, new: ExpertPlacement) -> int:
             f"{[old.num_layers, old.num_logical, old.num_ranks]} vs "
             f"{[new.num_layers, new.num_logical, new.num_ranks]}")
     return int((_held(new) & ~_held(old)).sum())
+
+
+def keep_in_place(old: ExpertPlacement, new: ExpertPlacement, num_nodes: int = 1) -> ExpertPlacement:
+    """``new`` with its ranks renumbered (within each of ``num_nodes`` nodes) and the slots of
+    each rank reordered so that slots keep the expert they hold in ``old`` where they can.
+
+    Every rank keeps the set of copies ``new`` gave it, so the per-rank loads, and with
+    them balancedness, are those of ``new``; only fewer weights move. Per layer, new
+    ranks are matched greedily to the old rank they share most experts with (ties to
+    the lower index), then each rank's experts go back into the slots that held them.
+    """
+    if (old.num_layers, old.num_logical, old.num_physical, old.num_ranks) != (
+            new.num_layers, new.num_logical, new.num_physical, new.num_ranks):
+        raise ValueError("keep_in_place: placements differ in [layers, num_logical, "
+                         "num_physical, num_ranks]")
+    if num_nodes < 1 or new.num_ranks % num_nodes:
+        raise ValueError(f"num_ranks ({new.num_ranks}) must be divisible by num_nodes ({num_nodes})")
+    ranks, size = new.num_ranks, new.slots_per_rank
+    per_node = ranks // num_nodes
+    p2l = torch.empty_like(new.physical_to_logical)
+    for layer in range(new.num_layers):
+        was = old.physical_to_logical[layer].view(ranks, size).tolist()
+        now = new.physical_to_logical[layer].view(ranks, size).tolist()
+        holders: dict[int, list[int]] = {}
+        for q, experts in enumerate(was):
+            for e in set(experts):
+                holders.setdefault(e, []).append(q)
+        shared: dict[tuple[int, int], int] = {}
+        for r, experts in enumerate(now):
+            for e in set(experts):
+                for q in holders.get(e, ()):
+                    if q // per_node == r // per_node:
+                        shared[r, q] = shared.get((r, q), 0) + 1
+        match: dict[int, int] = {}
+        taken: set[int] = set()
+        for (r, q), _ in sorted(shared.items(), key=lambda kv: (-kv[1], kv[0])):
+            if r not in match and q not in taken:
+                match[r] = q
+                taken.add(q)
+        for r in range(ranks):
+            if r not in match:
+                node = r // per_node
+                q = next(q for q in range(node * per_node, (node + 1) * per_node) if q not in taken)
+                match[r] = q
+                taken.add(q)
+        row = p2l[layer].view(ranks, size)
+        for r, q in match.items():
+            left = list(now[r])
+            slots: list[int | None] = [None] * size
+            for i, e in enumerate(was[q]):
+                if e in left:
+                    slots[i] = e
+                    left.remove(e)
+            left.sort()
+            row[q] = torch.tensor([e if e is not None else left.pop(0) for e in slots])
+    return ExpertPlacement.from_physical_to_logical(p2l, new.num_logical, new.num_ranks)
 
 
 def _held(placement: ExpertPlacement) -> torch.Tensor:

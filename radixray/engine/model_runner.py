@@ -9,6 +9,7 @@ import torch
 
 from radixray.engine.attention import create_attention_backend
 from radixray.engine.config import EngineConfig
+from radixray.engine.eplb import model_expert_options
 from radixray.engine.forward_batch import ForwardBatch, ForwardMode
 from radixray.engine.hugepages import pack_parameters_into_huge_pages
 from radixray.engine.loader import ModelSource
@@ -68,13 +69,16 @@ class ModelRunner:
     attributes and logged once at start-up.
     """
 
-    def __init__(self, config: EngineConfig, source: ModelSource):
+    def __init__(self, config: EngineConfig, source: ModelSource, ep=None):
+        """``ep``: this engine's ExpertParallelGroup (engine/ep_group.py) when ep_size > 1."""
         self.config = config
+        self.ep = ep
         self.device = config.device
         if self.device != "cpu" and not torch.cuda.is_available():
             raise RuntimeError(f"device={self.device!r} but torch sees no CUDA device "
                                f"(torch {torch.__version__}); use device='cpu'")
         self.dtype, dtype_reason = pick_dtype(config.dtype, config.device)
+        self.eplb = None  # the engine's ExpertBalancer (engine/eplb.py) with enable_eplb
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.num_threads = torch.get_num_threads()  # the scheduler thread sets this count too
@@ -90,8 +94,12 @@ class ModelRunner:
         else:
             self.kernels = CpuKernels(enabled=config.cpu_kernels and not self.device.startswith("cuda")
                                       and self.dtype == torch.float32)
-        self.model = model_class_for(hf)(hf, self.dtype, max_positions=self.context_len,
-                                         kernels=self.kernels)
+        model_class = model_class_for(hf)
+        expert_options = model_expert_options(config, model_class)
+        if expert_options and ep is not None:
+            expert_options["ep_rank"] = ep.rank
+        self.model = model_class(hf, self.dtype, max_positions=self.context_len,
+                                 kernels=self.kernels, **expert_options)
         self.model.load_weights(source.weights())
         self.quantized_layers = quantize_linears(self.model, config.quantization,
                                                  fused_ops=config.cpu_kernels)
@@ -187,6 +195,10 @@ class ModelRunner:
             route_captures=[(r, i, 1, r.kv_len) for i, r in enumerate(reqs)
                             if r.sampling.return_routed_experts])
 
+    def forward_idle(self) -> None:
+        """Expert parallelism: this rank's part of a step another rank runs (no tokens)."""
+        self.model.forward_idle()
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """fp32 logits ``[B, vocab]`` (on the model's device) for each request's last new token.
@@ -196,4 +208,6 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(batch)
         logits = self.model(batch)
         record_routes(batch)
+        if self.eplb is not None:
+            self.eplb.after_forward()
         return logits

@@ -25,6 +25,7 @@ from radixray.engine.admission import (
     PrefillBudget,
 )
 from radixray.engine.config import EngineConfig
+from radixray.engine.ep_group import IDLE_POLL_S
 from radixray.engine.faults import BATCH_FAULT_STATUS, ENGINE_FAILED_STATUS, StepFaults, describe
 from radixray.engine.forward_batch import ForwardBatch
 from radixray.engine.kv_audit import KVAudit
@@ -35,6 +36,7 @@ from radixray.engine.preemption import preempt_for, retract_for_decode
 from radixray.engine.radix_cache import MatchResult, RadixCache
 from radixray.engine.request import FinishReason, Req
 from radixray.engine.sampler import DETERMINISTIC_DEFAULT_SEED, Sampler
+from radixray.engine.scheduler_faults import SchedulerFaults
 from radixray.engine.stats import SchedulerStats, log_decode, log_prefill
 from radixray.engine.stop import StopChecker
 
@@ -54,7 +56,7 @@ class CallInLoop:
     future: Future
 
 
-class Scheduler:
+class Scheduler(SchedulerFaults):
     """Continuous batching over one ModelRunner."""
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, stop_checker: StopChecker,
@@ -92,6 +94,9 @@ class Scheduler:
         # The prefill or decode half of a disaggregated pair (engine/disaggregation/), set by
         # the engine; None for a unified engine.
         self.pd = None
+        # This engine's expert-parallel group (engine/ep_group.py): its ranks step together.
+        self.ep = getattr(runner, "ep", None)
+        self._forwarded = False  # whether the step in flight ran a forward pass
 
     # ---- ingest --------------------------------------------------------------------
     def submit(self, item) -> None:
@@ -147,16 +152,39 @@ class Scheduler:
         a fault inside a step fails that step's batch; one outside any batch (taking in
         commands, or failing a batch) leaves the engine in an unknown state, so it fails
         the engine, and the loop goes on refusing requests and answering control calls."""
-        while not stop():
+        group_busy = False  # expert parallelism: whether any rank had work last turn
+        while True:
             try:
-                self._ingest(block_s=0.0 if self.has_work else 0.05)
+                idle_wait = 0.05 if self.ep is None else IDLE_POLL_S
+                self._ingest(block_s=0.0 if self.has_work or group_busy else idle_wait)
                 if self.pd is not None:
                     self.pd.poll(time.monotonic())
-                if self.has_work:
+                local = self.has_work
+                if self.ep is None:
+                    if stop():
+                        return
+                else:
+                    group_busy, group_stops = self._agree(local, stop())
+                    if group_stops:
+                        return
+                if local:
                     self.step()
+                elif group_busy:
+                    self._idle_forward()
             except Exception as exc:  # noqa: BLE001 - the loop must outlive any fault
                 logger.exception("scheduler loop fault outside a batch")
                 self.fail_engine(f"the scheduler could not recover from {describe(exc)}")
+
+    def _agree(self, local: bool, stopping: bool) -> tuple[bool, bool]:
+        """The group's (any work, any stopping) for this turn. If the group is broken (a
+        rank died, a collective timed out), the engine fails and stops agreeing: it answers
+        control calls alone until the controller replaces the group."""
+        try:
+            return self.ep.agree(local, stopping)
+        except Exception as exc:  # noqa: BLE001 - a lost peer; say why, once
+            self.ep = None
+            self.fail_engine(f"expert-parallel group broken: {describe(exc)}")
+            return False, stopping
 
     def run_until_idle(self) -> None:
         """Drain the inbox and step until no request is left (in-process use and tests)."""
@@ -170,6 +198,7 @@ class Scheduler:
         """One batch: prefill if one can be admitted, else decode. A fault while building,
         running or processing it fails that batch's requests (status 500) and returns."""
         self._batch = []
+        self._forwarded = False
         try:
             items = self._build_prefill()
             if items:
@@ -185,61 +214,21 @@ class Scheduler:
         else:
             self.faults.note_success()
         self._batch = []
+        if self.ep is not None and not self._forwarded:
+            self._idle_forward()  # nothing admitted, or a fault before the forward
         self.kv_audit.after_step(self)
         if self.on_step is not None:
             self.on_step(self)
 
-    # ---- faults --------------------------------------------------------------------
-    def _on_step_fault(self, exc: Exception) -> None:
-        """Fail the step's batch; log the traceback once per distinct fault; count it."""
-        message = describe(exc)
-        if message == self.faults.last_message:
-            logger.error("scheduler step failed again (%d in a row): %s",
-                         self.faults.consecutive + 1, message)
-        else:
-            logger.exception("scheduler step failed; its batch's requests end with an error")
-        give_up = self.faults.note_failure(message)
-        self._fail(self._batch, f"the engine failed this request's batch: {message}",
-                   BATCH_FAULT_STATUS)
-        if give_up:
-            self.fail_engine(give_up)
-
-    def fail_engine(self, reason: str) -> None:
-        """Stop serving: every held request and every later one ends with status 503, and
-        ``on_failed`` hears the reason once. Later calls keep the first reason."""
-        first = self.faults.failed is None
-        if first:
-            self.faults.failed = reason
-            logger.error("engine failed, refusing requests from now on: %s", reason)
-        held = self.held_requests()
-        self._fail(held, f"the engine failed: {self.faults.failed}", ENGINE_FAILED_STATUS)
-        if first and self.on_failed is not None:
-            self.on_failed(reason)
-
-    def _fail(self, reqs: list[Req], message: str, status: int) -> None:
-        """End every unfinished request of ``reqs`` with finish reason error and deliver all
-        of them (a request that finished normally in the failed step still gets its result).
-        Each request's KV goes back even when others' cannot."""
-        reqs = list(dict.fromkeys(reqs))
-        for req in reqs:
-            if req.finished:
-                continue
-            if req is self.chunked_req:
-                self.chunked_req = None
-            if req in self.waiting:
-                self.waiting.remove(req)
-            reason = FinishReason("error", message=message, status=status)
-            try:
-                self.finish(req, reason)
-            except Exception:  # noqa: BLE001 - its KV is lost, but the request still ends
-                logger.exception("could not return the KV of failed request %s", req.rid)
-                req.finish_reason = reason
-                if req in self.running:
-                    self.running.remove(req)
+    def _idle_forward(self) -> None:
+        """Join this step's MoE exchanges with no tokens (expert parallelism: another rank
+        has work). A failure means the group lost a rank or its collectives timed out: the
+        engine fails, and the group is restarted as a unit."""
         try:
-            self.on_output(reqs)
-        except Exception:  # noqa: BLE001 - a broken subscriber must not stop the loop
-            logger.exception("could not deliver the results of %d failed request(s)", len(reqs))
+            self.runner.forward_idle()
+        except Exception as exc:  # noqa: BLE001 - the group is broken; say why
+            self.ep = None
+            self.fail_engine(f"expert-parallel group broken: {describe(exc)}")
 
     def token_usage(self) -> tuple[int, float]:
         used = self.kv.pool_size - self.kv.available_tokens()
@@ -357,6 +346,7 @@ class Scheduler:
         batch = self.runner.build_extend_batch([(r, n) for r, n, _ in items], [s for _, _, s in items])
         self.faults.before_forward()
         logits = self.runner.forward(batch)
+        self._forwarded = True
         new_reqs = [r for r, _, _ in items if r is not self.chunked_req]
         cached = sum(r.kv_len for r, _, _ in items)
         new_tokens = sum(n for _, n, _ in items)
@@ -395,6 +385,7 @@ class Scheduler:
         batch: ForwardBatch = self.runner.build_decode_batch(reqs, slots)
         self.faults.before_forward()
         logits = self.runner.forward(batch)
+        self._forwarded = True
         self.stats.forward_steps += 1
         self.stats.note_decode(len(reqs))
         for r in reqs:

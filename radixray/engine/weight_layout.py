@@ -8,8 +8,13 @@ mixture-of-experts layer stacks its experts in one 3-D parameter per projection
 (``mlp.experts.gate_up_proj`` [experts, 2 * inter, hidden]): each per-expert
 checkpoint tensor (``mlp.experts.5.up_proj.weight``) fills rows of one expert's
 slice, and the stacked name itself (how transformers keeps MoE weights in memory)
-fills the whole parameter. A model may rename checkpoint names first
-(``checkpoint_renames``: Mixtral's ``block_sparse_moe.experts.E.w1``).
+fills the whole parameter. Checkpoint names count *logical* experts; a model with
+redundant expert slots (EPLB) holds some experts in several slots, and the model's
+``slot_experts`` says which: a tensor is written into every local slot holding its
+expert, and names of experts this process holds no slot of are skipped. The layout
+reads the placement when built; :meth:`WeightLayout.stale` says when it moved.
+A model may rename checkpoint names first (``checkpoint_renames``: Mixtral's
+``block_sparse_moe.experts.E.w1``).
 
 :class:`WeightStage` collects named tensors into targets. Built ``live=True`` it
 writes straight into the model's tensors (the initial load); otherwise it
@@ -48,17 +53,36 @@ _INT8_BUFFERS = ("w_q_t", "w_vnni", "w_vnni_comp", "w_scale")
 @dataclass(frozen=True)
 class Shard:
     """Rows ``[offset, offset + shape[0])`` of ``target`` come from one checkpoint tensor; of
-    ``target[index]`` when ``index`` is set (one expert of a stacked parameter)."""
+    ``target[index]`` when ``index`` is set (one expert of a stacked parameter), and the
+    same rows of ``target[c]`` for each ``c`` in ``copies`` (that expert's other slots).
+    ``gather``: the tensor stacks every logical expert and slot ``i`` of the target takes
+    its row ``gather[i]`` (a stacked name when slots and experts differ)."""
 
     target: str
     offset: int
     shape: tuple[int, ...]
     index: int | None = None
+    copies: tuple[int, ...] = ()
+    gather: tuple[int, ...] | None = None
 
     def view(self, full: torch.Tensor) -> torch.Tensor:
-        """The part of ``full`` (a tensor of the target's shape) this shard fills."""
+        """The part of ``full`` (a tensor of the target's shape) this shard fills (its first
+        copy)."""
         rows = full if self.index is None else full[self.index]
         return rows[self.offset:self.offset + self.shape[0]]
+
+    def write(self, full: torch.Tensor, tensor: torch.Tensor) -> None:
+        """Copy ``tensor`` into every place of ``full`` this shard fills."""
+        if self.gather is not None:
+            full.copy_(tensor[list(self.gather)])
+            return
+        self.view(full).copy_(tensor)
+        self.replicate(full)
+
+    def replicate(self, full: torch.Tensor) -> None:
+        """Copy the first copy's rows into the other copies (after it was filled in place)."""
+        for c in self.copies:
+            full[c][self.offset:self.offset + self.shape[0]].copy_(self.view(full))
 
 
 def split_rows(parts: tuple[tuple[str, int | None], ...], total: int) -> list[tuple[str, int]]:
@@ -102,8 +126,11 @@ class WeightLayout:
         # owner leaf -> parameter leaf -> parts, for parameters stacked over experts (dim 0)
         self.stacked: dict[str, dict[str, tuple]] = getattr(model, "stacked_shards", dict)()
         self.renames = [(re.compile(p), r) for p, r in getattr(model, "checkpoint_renames", tuple)()]
+        expert_map = getattr(model, "expert_map", None)
+        self.placement_version = None if expert_map is None else expert_map.version
         self.targets: dict[str, Target] = {}
         self.shards: dict[str, Shard] = {}
+        self.skipped: set[str] = set()  # experts held by no local slot (other EP ranks)
         # a name that fills a whole stacked target -> the per-expert shards it writes
         self.aliases: dict[str, tuple[str, ...]] = {}
         self.tied = bool(getattr(model, "tie_word_embeddings", False))
@@ -135,10 +162,20 @@ class WeightLayout:
         parent, _, owner_leaf = prefix.rpartition(".")
         stacked = self.stacked.get(owner_leaf, {}).get(leaf) if kind == "param" else None
         if stacked is not None:
-            # experts.<leaf> [E, rows, cols] <- experts.<e>.<part>.weight [part rows, cols]
-            for e in range(shape[0]):
-                self._add_parts(target, stacked, shape[1:], f"{prefix}.{e}.{{}}.weight", e)
-            self.shards[name] = Shard(target.name, 0, shape)
+            # experts.<leaf> [slots, rows, cols] <- experts.<e>.<part>.weight [part rows, cols]
+            # into every slot holding logical expert e
+            slot_experts, num_logical = self._slot_experts(prefix, shape[0])
+            for e in range(num_logical):
+                slots = [i for i, x in enumerate(slot_experts) if x == e]
+                name_format = f"{prefix}.{e}.{{}}.weight"
+                if not slots:
+                    self.skipped.update(name_format.format(p) for p, _ in stacked)
+                    continue
+                self._add_parts(target, stacked, shape[1:], name_format, slots[0],
+                                tuple(slots[1:]))
+            identity = slot_experts == list(range(num_logical))
+            self.shards[name] = Shard(target.name, 0, (num_logical, *shape[1:]),
+                                      gather=None if identity else tuple(slot_experts))
             self.aliases[name] = tuple(target.shards)
             return
         parts = fused.get(owner_leaf)
@@ -147,20 +184,31 @@ class WeightLayout:
             return
         self._add_parts(target, parts, shape, f"{parent}.{{}}.{leaf}", None)
 
+    def _slot_experts(self, prefix: str, num_slots: int) -> tuple[list[int], int]:
+        """(the logical expert of each slot of the stacked module ``prefix``, logical count)."""
+        lookup = getattr(self.model, "slot_experts", None)
+        return lookup(prefix) if lookup is not None else (list(range(num_slots)), num_slots)
+
     def _add_parts(self, target: Target, parts: tuple, shape: tuple[int, ...], name_format: str,
-                   index: int | None) -> None:
+                   index: int | None, copies: tuple[int, ...] = ()) -> None:
         """One shard per fused part, named ``name_format.format(part)``, stacked along rows."""
         offset = 0
         for part, rows in split_rows(parts, shape[0]):
-            self._add_shard(target, name_format.format(part), offset, (rows, *shape[1:]), index)
+            self._add_shard(target, name_format.format(part), offset, (rows, *shape[1:]), index,
+                            copies)
             offset += rows
         if offset != shape[0]:
             raise AssertionError(f"{target.name}: fused shards cover {offset} of {shape[0]} rows")
 
     def _add_shard(self, target: Target, name: str, offset: int, shape: tuple[int, ...],
-                   index: int | None = None) -> None:
-        self.shards[name] = Shard(target.name, offset, shape, index)
+                   index: int | None = None, copies: tuple[int, ...] = ()) -> None:
+        self.shards[name] = Shard(target.name, offset, shape, index, copies)
         target.shards.append(name)
+
+    def stale(self) -> bool:
+        """Whether the model's experts moved since this layout was built (build a new one)."""
+        expert_map = getattr(self.model, "expert_map", None)
+        return expert_map is not None and expert_map.version != self.placement_version
 
     def canonical(self, name: str) -> str:
         """``name`` as the layout knows it: without ``model.``, the model's renames applied."""
@@ -177,7 +225,8 @@ class WeightLayout:
         shard = self.shards.get(name)
         if shard is not None:
             return shard
-        if any(s in name for s in _SKIPPED_SUBSTRINGS) or (self.tied and name == "lm_head.weight"):
+        if any(s in name for s in _SKIPPED_SUBSTRINGS) or (self.tied and name == "lm_head.weight") \
+                or name in self.skipped:
             return None
         raise KeyError(name)
 
@@ -215,14 +264,16 @@ class WeightStage:
         if shard is None:
             return None
         target = self.layout.targets[shard.target]
-        if target.dtype != dtype:
+        if target.dtype != dtype or shard.gather is not None:
             return None
-        return self._rows(target, shard)
+        return shard.view(self._full(target))
 
     def mark_written(self, name: str) -> None:
-        """``name``'s rows hold its new values (after filling :meth:`buffer_for`)."""
+        """``name``'s rows hold its new values (after filling :meth:`buffer_for`); its expert's
+        other slots take them too."""
         shard = self.shard(name)
         if shard is not None:
+            shard.replicate(self._full(self.layout.targets[shard.target]))
             self._note(shard, name)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -234,7 +285,7 @@ class WeightStage:
         if tuple(tensor.shape) != shard.shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}; the model expects "
                              f"{shard.shape}")
-        self._rows(self.layout.targets[shard.target], shard).copy_(tensor)
+        shard.write(self._full(self.layout.targets[shard.target]), tensor)
         self._note(shard, name)
 
     def add_all(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -259,7 +310,8 @@ class WeightStage:
             numel *= d
         self.bytes += numel * self.layout.targets[shard.target].dtype.itemsize
 
-    def _rows(self, target: Target, shard: Shard) -> torch.Tensor:
+    def _full(self, target: Target) -> torch.Tensor:
+        """The staged tensor of ``target`` (the serving one when ``live``), made on first use."""
         full = self.staged.get(target.name)
         if full is None:
             if self.live and target.kind == "param":
@@ -269,7 +321,7 @@ class WeightStage:
             else:
                 full = torch.empty(target.shape, dtype=target.dtype, device=target.device)
             self.staged[target.name] = full
-        return shard.view(full)
+        return full
 
     def missing(self) -> list[str]:
         """Checkpoint names of every shard not written yet (all targets)."""
@@ -300,6 +352,7 @@ class WeightStage:
             for shard_name in missing:
                 shard = self.layout.shards[shard_name]
                 shard.view(self.staged[name]).copy_(shard.view(live))
+                shard.replicate(self.staged[name])
         if not self.fault_huge_pages:
             for tensor in self.staged.values():
                 advise_huge_pages(tensor)

@@ -17,6 +17,11 @@ undoes a commit not yet finished.
 
 Versions are integers that only grow: the first load is version 0, and each session
 names a version greater than the current one.
+
+A session stages against the expert placement it began on (EPLB: which slots hold
+copies of which expert), so the placement must hold still from ``begin`` to
+``finish``: a rebalance takes :meth:`WeightUpdater.exclusive` and runs only when no
+session is open, and ``begin`` waits while a rebalance holds it.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -36,6 +42,7 @@ from radixray.engine.weight_sync import broadcast, close_group, dtype_from_name,
 
 logger = logging.getLogger(__name__)
 
+SESSION_OPEN = "a weight-update session is open"  # WeightUpdater.exclusive's reason
 
 
 def check_version(version, current: int) -> int:
@@ -74,6 +81,7 @@ class WeightUpdater:
         self._groups: dict[str, tuple[object, int]] = {}  # name -> (process group, our rank)
         self._phases: dict[str, float] = {}
         self._lock = threading.RLock()
+        self._ended = threading.Condition(self._lock)  # notified when a session ends
         self.last: dict | None = None  # the result of the last finished update
 
     # ---- session -----------------------------------------------------------------------
@@ -81,12 +89,44 @@ class WeightUpdater:
     def in_session(self) -> bool:
         return self._stage is not None
 
+    @property
+    def session_open(self) -> bool:
+        """From ``begin`` until the session is finished, aborted or rolled back."""
+        return self._stage is not None or self._undo is not None
+
+    @contextmanager
+    def exclusive(self) -> Iterator[str | None]:
+        """Hold sessions off while the body rewrites weights in place (an EPLB rebalance on
+        the scheduler thread). Yields None when it may, else why not: a session is open,
+        a session call holds the lock now, or the weights are released. Never blocks."""
+        if not self._lock.acquire(blocking=False):
+            yield SESSION_OPEN
+            return
+        try:
+            if self.session_open:
+                yield SESSION_OPEN
+            elif "weights" in self.memory.released:
+                yield "the weights are released (resume_memory_occupation first)"
+            else:
+                yield None
+        finally:
+            self._lock.release()
+
+    def wait_until_closed(self, timeout: float) -> bool:
+        """Block until no session is open (True) or ``timeout`` seconds pass (False)."""
+        with self._lock:
+            return self._ended.wait_for(lambda: not self.session_open, timeout)
+
+    def _closed(self) -> None:
+        """A session ended (lock held): wake whoever waits for it."""
+        self._ended.notify_all()
+
     def begin(self) -> None:
         with self._lock:
             if self._stage is not None or self._undo is not None:
                 raise ValueError("a weight update session is already open: end_weight_update or "
                                  "abort_weight_update first")
-            if self._layout is None:
+            if self._layout is None or self._layout.stale():
                 self._layout = WeightLayout(self.runner.model)
             # Released weights mean a colocated trainer just ran: memory is fragmented, and
             # faulting huge pages would wait on compaction (see WeightStage).
@@ -101,6 +141,7 @@ class WeightUpdater:
         with self._lock:
             was = self._stage is not None
             self._stage = self._prepared = None
+            self._closed()
             return was
 
     def _stage_or_raise(self, call: str) -> WeightStage:
@@ -120,6 +161,7 @@ class WeightUpdater:
                 fill(stage)
             except Exception as exc:
                 self._stage = None
+                self._closed()
                 logger.warning("weight update session failed and was dropped: %s", exc)
                 raise
             self._phases["transfer"] += time.perf_counter() - t0
@@ -228,6 +270,7 @@ class WeightUpdater:
                 prepared = stage.prepare()
             except Exception:
                 self._stage = None
+                self._closed()
                 raise
             self._prepared = (version, prepared)
             self._phases["load"] = time.perf_counter() - t0
@@ -255,6 +298,7 @@ class WeightUpdater:
             old_version, undo = self._undo
             undo.rollback()
             self._undo = None
+            self._closed()
             self._set_version(scheduler, old_version)
             logger.warning("weight update rolled back; weight version %d serves again", old_version)
             return True
@@ -266,6 +310,7 @@ class WeightUpdater:
                 raise ValueError("finish: no committed weight update to finish")
             previous, _ = self._undo
             self._undo = None
+            self._closed()
             # Released weights were replaced whole: only what no update sends (the rotary
             # tables) is read back; a rollback before this point still finds them released.
             self.memory.replaced()

@@ -5,8 +5,8 @@ A MoE layer runs in three stages, each replaceable on its own:
 1. :class:`TopKRouter` turns hidden states into router logits and picks each token's
    top-k *logical* experts and their weights, exactly as the Hugging Face model of
    the architecture does (softmax in fp32, optional renormalisation, weight dtype).
-2. The layer maps logical ids to *physical* slots (``logical_to_physical``, identity
-   unless redundant expert copies exist) so a balancer can move or copy experts.
+2. The layer maps logical ids to *physical* slots (the model's ``ExpertMap``,
+   identity unless redundant expert copies exist) so a balancer can move or copy experts.
 3. An :class:`ExpertDispatcher` computes the weighted sum of the chosen experts for
    each token. :class:`LocalExperts` holds every slot in this process; an
    expert-parallel backend holds a share and exchanges tokens with its peers.
@@ -77,7 +77,9 @@ class ExpertDispatcher(nn.Module, ABC):
 
     Parameters are named as transformers names them in memory: ``gate_up_proj``
     ``[slots, 2 * inter, H]`` (gate rows first) and ``down_proj`` ``[slots, H, inter]``,
-    so checkpoints load through ``stacked_shards`` (see ``weight_layout.py``).
+    so checkpoints load through ``stacked_shards`` (see ``weight_layout.py``). Every
+    parameter is stacked over the slots this process holds (dim 0, in slot order):
+    moving experts between slots (EPLB) copies along that dimension.
     """
 
     num_physical: int

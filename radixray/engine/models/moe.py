@@ -4,8 +4,10 @@ They are the Llama-family decoder (``llama.py``: attention, norms, rotary) with 
 sparse feed-forward block in some or all layers. A :class:`MoeSpec` reads what
 differs between the architectures from the Hugging Face config; the block
 (:class:`SparseMoeBlock`) routes with :class:`~.experts.TopKRouter`, maps logical
-experts to physical slots and hands the tokens to an
-:class:`~.experts.ExpertDispatcher`.
+experts to physical slots through the model's :class:`~.expert_map.ExpertMap` and
+hands the tokens to an :class:`~.experts.ExpertDispatcher`. With
+``num_redundant_experts`` spare slots per layer the busy experts have copies there;
+:meth:`MoeForCausalLM.apply_placement` moves them between forward passes (EPLB).
 
 Every forward pass adds each MoE layer's chosen logical experts to per-expert token
 counters (:meth:`MoeForCausalLM.expert_load`, the load a balancer plans from) and,
@@ -20,8 +22,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from radixray.engine.eplb_planner import ExpertPlacement
 from radixray.engine.forward_batch import ForwardBatch
-from radixray.engine.models.experts import Gate, LocalExperts, TopKRouter
+from radixray.engine.models.expert_map import ExpertMap
+from radixray.engine.models.experts import ExpertDispatcher, Gate, LocalExperts, TopKRouter
 from radixray.engine.models.llama import LlamaForCausalLM, LlamaMLP
 from radixray.kernels.cpu_ops import CpuKernels
 
@@ -88,20 +92,20 @@ def _sliding_window(config) -> int | None:
 class SparseMoeBlock(nn.Module):
     """Router -> logical-to-physical map -> experts (+ a gated shared expert).
 
-    ``logical_to_physical`` ``[num_experts]`` maps each logical expert to the slot
-    holding it (identity here). A balancer that copies hot experts swaps in a map
-    (or overrides :meth:`to_physical` to pick among copies) between forward passes;
-    routing, the recorded ids and the load counters stay logical.
+    ``expert_map`` (shared by all MoE layers of the model) maps the routed logical
+    experts of MoE layer ``moe_layer`` to physical slots; routing, the recorded ids and
+    the load counters stay logical.
     """
 
-    def __init__(self, config, spec: MoeSpec, kernels: CpuKernels):
+    def __init__(self, config, spec: MoeSpec, kernels: CpuKernels, experts: ExpertDispatcher,
+                 expert_map: ExpertMap, moe_layer: int):
         super().__init__()
         hidden = config.hidden_size
         self.gate = TopKRouter(spec.num_experts, hidden, spec.top_k, spec.renormalize,
                                spec.fp32_weights, kernels)
-        self.experts = LocalExperts(spec.num_experts, hidden, spec.intermediate_size, kernels)
-        self.register_buffer("logical_to_physical", torch.arange(spec.num_experts),
-                             persistent=False)
+        self.experts = experts
+        self.expert_map = expert_map
+        self.moe_layer = moe_layer
         self.shared_expert = self.shared_expert_gate = None
         if spec.shared_intermediate_size:
             self.shared_expert = LlamaMLP(config, kernels, spec.shared_intermediate_size)
@@ -109,7 +113,7 @@ class SparseMoeBlock(nn.Module):
         self.last_topk_ids: torch.Tensor | None = None  # [T, k] logical, read by the model
 
     def to_physical(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        return self.logical_to_physical[topk_ids]
+        return self.expert_map.to_physical(topk_ids, self.moe_layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate.route(x)
@@ -122,12 +126,28 @@ class SparseMoeBlock(nn.Module):
 
 class MoeForCausalLM(LlamaForCausalLM):
     """A Llama-family decoder whose ``spec.sparse_layers`` run a :class:`SparseMoeBlock`
-    (the others a dense SwiGLU of ``intermediate_size``)."""
+    (the others a dense SwiGLU of ``intermediate_size``).
+
+    ``num_redundant_experts``: spare physical slots per MoE layer for copies of busy
+    experts (engine option ``ep_num_redundant_experts``). ``ep_rank`` / ``ep_size``: this
+    process is rank ``ep_rank`` of an expert-parallel group and holds
+    ``expert_map.local`` of the slots (``ep_size`` > 1 needs an expert-parallel
+    dispatcher: :meth:`make_dispatcher`).
+    """
 
     def __init__(self, config, dtype: torch.dtype = torch.float32, max_positions: int | None = None,
-                 kernels: CpuKernels | None = None):
-        # Read before the layers are built: make_mlp needs it.
+                 kernels: CpuKernels | None = None, *, num_redundant_experts: int = 0,
+                 ep_rank: int = 0, ep_size: int = 1, ep_dispatch_backend: str = "collectives"):
+        # Read before the layers are built: make_mlp needs them.
         self.moe = MoeSpec.from_config(config, max_positions or config.max_position_embeddings)
+        if not self.moe.sparse_layers and (num_redundant_experts or ep_size > 1):
+            raise ValueError(f"ep_num_redundant_experts / ep_size need routed experts; this "
+                             f"{config.model_type} config has no sparse layer")
+        self.ep_dispatch_backend = ep_dispatch_backend
+        self.expert_map: ExpertMap | None = None  # None: no sparse layer, all dense
+        if self.moe.sparse_layers:
+            self.expert_map = ExpertMap.initial(len(self.moe.sparse_layers), self.moe.num_experts,
+                                                num_redundant_experts, ep_rank, ep_size)
         super().__init__(config, dtype, max_positions, kernels)
         self.moe_blocks: list[SparseMoeBlock] = [self.layers[i].mlp for i in self.moe.sparse_layers]
         self.register_buffer("expert_counts", torch.zeros(
@@ -135,8 +155,31 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def make_mlp(self, config, layer_id: int, kernels: CpuKernels) -> nn.Module:
         if layer_id in self.moe.sparse_layers:
-            return SparseMoeBlock(config, self.moe, kernels)
+            experts = self.make_dispatcher(config.hidden_size, kernels)
+            return SparseMoeBlock(config, self.moe, kernels, experts, self.expert_map,
+                                  self.moe.sparse_layers.index(layer_id))
         return LlamaMLP(config, kernels)
+
+    def make_dispatcher(self, hidden_size: int, kernels: CpuKernels) -> ExpertDispatcher:
+        """The expert computation of one MoE layer, holding ``expert_map.local`` slots."""
+        em = self.expert_map
+        if em.ep_size > 1:
+            from radixray.engine.models.ep_dispatch import make_expert_dispatcher
+            return make_expert_dispatcher(self.ep_dispatch_backend, em.placement.num_physical,
+                                          hidden_size, self.moe.intermediate_size, kernels,
+                                          rank=em.ep_rank, world_size=em.ep_size)
+        return LocalExperts(len(em.local), hidden_size, self.moe.intermediate_size, kernels)
+
+    @torch.inference_mode()
+    def forward_idle(self) -> None:
+        """Expert parallelism, a rank with no tokens this step: join every MoE layer's
+        exchange, in layer order, with an empty batch (engine/ep_group.py)."""
+        k = self.moe.top_k
+        for block in self.moe_blocks:
+            dtype = block.experts.down_proj.dtype
+            block.experts.dispatch(torch.empty(0, self.config.hidden_size, dtype=dtype),
+                                   torch.empty(0, k, dtype=torch.int64),
+                                   torch.empty(0, k, dtype=torch.float32))
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -159,11 +202,40 @@ class MoeForCausalLM(LlamaForCausalLM):
         """Tokens routed to each logical expert ``[MoE layers, experts]`` (int64, CPU) since
         the start or the last reset; each token counts once per chosen expert. Row ``i``
         is decoder layer ``moe.sparse_layers[i]``. Read it between forward passes (on the
-        scheduler thread)."""
+        scheduler thread). With ``enable_eplb`` the engine's balancer resets it after every
+        pass and keeps the load in its window (``engine/eplb.py``)."""
         counts = self.expert_counts.cpu().clone()
         if reset:
             self.expert_counts.zero_()
         return counts
+
+    # ---- expert placement (EPLB) ------------------------------------------------------
+    def apply_placement(self, new: ExpertPlacement) -> int:
+        """Copy expert weights into the slots ``new`` assigns and route by it from now on;
+        returns the local slots rewritten. Scheduler thread, between forward passes, never
+        during a weight-update session. Every copy is read before any is written, so a
+        failure (memory) leaves the old placement and weights serving. Each dispatcher
+        parameter is stacked over its local slots along dim 0."""
+        sources = self.expert_map.slot_sources(new)
+        copies = []
+        for block, pairs in zip(self.moe_blocks, sources):
+            if pairs:
+                dst = torch.tensor([d for d, _ in pairs])
+                src = torch.tensor([s for _, s in pairs])
+                for param in block.experts.parameters():
+                    copies.append((param.data, dst.to(param.device), param.data[src.to(param.device)]))
+        with torch.no_grad():
+            for data, dst, values in copies:
+                data[dst] = values
+        self.expert_map.set(new)
+        return sum(len(pairs) for pairs in sources)
+
+    def slot_experts(self, module_path: str) -> tuple[list[int], int]:
+        """For the dispatcher at ``module_path`` (``layers.3.mlp.experts``): the logical expert
+        each of its slots holds, and the number of logical experts (the weight layout
+        writes a checkpoint expert into every slot holding it)."""
+        block = self.get_submodule(module_path.removesuffix(".experts"))
+        return self.expert_map.local_experts(block.moe_layer), self.moe.num_experts
 
     # ---- weight loading -------------------------------------------------------------
     def stacked_shards(self) -> dict[str, dict[str, tuple[tuple[str, int | None], ...]]]:

@@ -1,0 +1,102 @@
+"""Expert parallelism served: `radixray serve --model <tiny Qwen3-MoE> --ep-size 2` starts one
+worker as a group of two rank actors (torch.distributed among them, each with half of the
+experts and its own requests). Greedy tokens equal Hugging Face's through /generate on
+either rank; a rank killed mid-run takes its group down, the controller restarts the
+group as a unit, and the fleet serves again with every KV slot accounted for.
+"""
+
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+import torch
+from model_fixtures import assert_greedy_equal, hf_greedy, random_prompts
+from serving_helpers import free_port, start_radixray_serve, wait_ready
+
+NEW_TOKENS = 8
+RESTART_DEADLINE_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def ep_server(tiny_qwen3_moe_dir, tmp_path_factory):
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("ep") / "serve.log"
+    log = open(log_path, "w")
+    proc = start_radixray_serve(tiny_qwen3_moe_dir, port, log, "--ep-size", "2")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, timeout=300)
+        yield base
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def _fleet(base: str) -> dict:
+    r = httpx.get(f"{base}/fleet", timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _post(base: str, path: str) -> None:
+    r = httpx.post(base + path, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def _generate(base: str, prompt: list[int]) -> dict:
+    r = httpx.post(f"{base}/generate", timeout=120, json={"input_ids": prompt, "sampling_params": {
+        "max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _assert_each_rank_equals_hf(base: str, hf, prompts) -> None:
+    for rank, other in (("worker-0", "worker-1"), ("worker-1", "worker-0")):
+        _post(base, f"/fleet/workers/{other}/drain")  # the other rank still joins every step
+        for prompt in prompts:
+            out = _generate(base, prompt)
+            assert out["meta_info"]["worker_id"] == rank
+            ref, gaps = hf_greedy(hf, prompt, NEW_TOKENS)
+            assert_greedy_equal(out["output_ids"], ref, gaps, f"{rank} prompt {len(prompt)}")
+        _post(base, f"/fleet/workers/{other}/resume")
+
+
+def _hf(model_dir: str):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def test_ep2_served_greedy_equals_hf_on_both_ranks(ep_server, tiny_qwen3_moe_dir):
+    state = _fleet(ep_server)
+    assert state["ep_size"] == 2 and [w["state"] for w in state["workers"]] == ["ready"] * 2
+    hf = _hf(tiny_qwen3_moe_dir)
+    _assert_each_rank_equals_hf(ep_server, hf, random_prompts(hf.config.vocab_size)[:3])
+
+
+def test_a_killed_rank_restarts_its_group_as_a_unit(ep_server, tiny_qwen3_moe_dir):
+    before = {w["worker_id"]: w for w in _fleet(ep_server)["workers"]}
+    os.kill(before["worker-1"]["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + RESTART_DEADLINE_S
+    while True:
+        workers = {w["worker_id"]: w for w in _fleet(ep_server)["workers"]}
+        if all(w["state"] == "ready" and w["generation"] == before[i]["generation"] + 1
+               for i, w in workers.items()):
+            break
+        assert time.monotonic() < deadline, workers
+        time.sleep(0.5)
+    assert workers["worker-1"]["restarts"] == 1 and "died" in workers["worker-1"]["error"]
+    # worker-0 either saw its collectives break first or was taken down with its group
+    assert "expert-parallel group" in workers["worker-0"]["error"]
+    assert workers["worker-0"]["pid"] != before["worker-0"]["pid"]  # restarted with it
+    hf = _hf(tiny_qwen3_moe_dir)
+    _assert_each_rank_equals_hf(ep_server, hf, random_prompts(hf.config.vocab_size)[3:5])
+    kv = httpx.get(f"{ep_server}/debug/kv_conservation", timeout=60)
+    assert kv.status_code == 200, kv.text
+    assert all(w["free"] + w["cached"] == w["pool"] for w in kv.json().values()), kv.json()
