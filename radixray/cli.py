@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     off.set_defaults(func=cmd_bench_offline)
     from radixray.bench import (
         cache_experiment,
+        expert_parallel,
         kernels,
         kv_transfer,
         naive_server,
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     quant_quality.add_parser(bench_sub)
     vs_hf.add_parser(bench_sub)
     weight_update.add_parser(bench_sub)
+    expert_parallel.add_parser(bench_sub)
 
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve` re-runs itself with it

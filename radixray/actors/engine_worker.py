@@ -315,6 +315,11 @@ class EngineWorker:
         from radixray.engine.pause import resume
         return await self._in_loop(resume)
 
+    async def rebalance_experts(self) -> dict:
+        """See :meth:`radixray.Engine.rebalance_experts` (waits for a weight-update session
+        to end, off the actor's event loop)."""
+        return await asyncio.to_thread(self.engine.rebalance_experts)
+
     async def flush_cache(self) -> bool:
         return await self._in_loop(lambda s: s.kv.flush_cache())
 

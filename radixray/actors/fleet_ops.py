@@ -125,6 +125,11 @@ class FleetOperations:
         """Let every live worker schedule again: whether it was paused, by worker id."""
         return await self._on_each_live(lambda h: h.continue_generation.remote())
 
+    async def rebalance_experts(self) -> dict:
+        """Every live worker rebalances its expert copies (EPLB): its report, or an error
+        entry (EPLB off, weights released, a session that outlasts the wait)."""
+        return await self._on_each_live(lambda h: h.rebalance_experts.remote())
+
     async def check_kv_conservation(self) -> dict:
         """Every live worker's KV slot check (an error entry if its invariant broke)."""
         return await self._on_each_live(lambda h: h.check_kv_conservation.remote())

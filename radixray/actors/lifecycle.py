@@ -76,6 +76,8 @@ def reconstructed() -> bool:
     import warnings
     try:
         import ray
+        if not ray.is_initialized():  # a plain object (tests): never start a Ray here
+            return False
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the property reads a deprecated attribute
             return bool(ray.get_runtime_context().was_current_actor_reconstructed)

@@ -3,7 +3,8 @@ import annotations` here: FastAPI must see the real annotation objects).
 
 Routes: POST /v1/chat/completions, /v1/completions, /generate, /flush_cache;
 GET /v1/models, /metrics, /health, /health_generate, /ready; fleet admin: GET
-/fleet, POST /fleet/workers/{id}/drain, /fleet/workers/{id}/resume, /fleet/router;
+/fleet, POST /fleet/workers/{id}/drain, /fleet/workers/{id}/resume, /fleet/router,
+/fleet/eplb/rebalance;
 RL control (every worker; see actors/weight_rollout.py): POST /pause_generation,
 /continue_generation, /release_memory_occupation, /resume_memory_occupation,
 /update_weights_from_disk, /init_weights_update_group, /update_weights_from_distributed,
@@ -394,6 +395,13 @@ class Ingress:
     @app.post("/fleet/workers/{worker_id}/resume")
     async def resume_worker(self, worker_id: str):
         return await self._admin(self.controller.resume_worker.remote(worker_id))
+
+    @app.post("/fleet/eplb/rebalance")
+    async def rebalance_experts(self):
+        """Rebalance every live worker's expert copies now (MoE models with enable_eplb):
+        each worker's report (balancedness before and after, experts moved, seconds); 400
+        naming each worker that cannot (EPLB off, weights released)."""
+        return await self._per_worker(self.controller.rebalance_experts.remote())
 
     @app.post("/fleet/router")
     async def set_router(self, body: RouterUpdate):

@@ -146,6 +146,7 @@ def test_a_serving_job_then_serve_deploy_then_serve_run_until_ctrl_c(head, deplo
         time.sleep(0.5)
 
 
+@pytest.mark.slow  # out of the default run's 15-minute budget: make test-slow
 def test_ray_job_submit_of_a_one_step_grpo_run(head, tiny_llama_dir, tmp_path):
     """The RayJob's entrypoint (k8s/rayjob-grpo.yaml) with --steps 1 on a tiny model."""
     import json

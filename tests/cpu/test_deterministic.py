@@ -89,6 +89,7 @@ def test_trainer_logprobs_equal_the_engines_across_weight_updates(kind, tmp_path
         assert stats["ratio_max"] == 1.0 and stats["grad_norm"] > 0
 
 
+@pytest.mark.slow  # out of the default run's 15-minute budget: make test-slow
 def test_default_model_trainer_logprobs_equal_the_engines():
     """SmolLM2-135M-Instruct (the default model), one rollout of two prompts."""
     from radixray.engine.loader import resolve_model

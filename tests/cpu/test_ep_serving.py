@@ -1,8 +1,10 @@
-"""Expert parallelism served: `radixray serve --model <tiny Qwen3-MoE> --ep-size 2` starts one
-worker as a group of two rank actors (torch.distributed among them, each with half of the
-experts and its own requests). Greedy tokens equal Hugging Face's through /generate on
-either rank; a rank killed mid-run takes its group down, the controller restarts the
-group as a unit, and the fleet serves again with every KV slot accounted for.
+"""Expert parallelism served: `radixray serve --model <tiny Qwen3-MoE> --ep-size 2
+--ep-num-redundant-experts 2` starts one worker as a group of two rank actors
+(torch.distributed among them, each with half of the expert slots, copies included, and
+its own requests). Greedy tokens equal Hugging Face's through /generate on either rank; a
+weight update from disk writes every copy on both ranks (greedy equals HF on the new
+weights); a rank killed mid-run takes its group down, the controller restarts the group
+as a unit, and the fleet serves again with every KV slot accounted for.
 """
 
 import os
@@ -18,6 +20,7 @@ from serving_helpers import free_port, start_radixray_serve, wait_ready
 
 NEW_TOKENS = 8
 RESTART_DEADLINE_S = 120.0
+_LAST_MODEL: list[str] = []  # the folder of the last weight update, if one ran
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +28,8 @@ def ep_server(tiny_qwen3_moe_dir, tmp_path_factory):
     port = free_port()
     log_path = tmp_path_factory.mktemp("ep") / "serve.log"
     log = open(log_path, "w")
-    proc = start_radixray_serve(tiny_qwen3_moe_dir, port, log, "--ep-size", "2")
+    proc = start_radixray_serve(tiny_qwen3_moe_dir, port, log, "--ep-size", "2",
+                                "--ep-num-redundant-experts", "2")
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base, timeout=300)
@@ -80,6 +84,18 @@ def test_ep2_served_greedy_equals_hf_on_both_ranks(ep_server, tiny_qwen3_moe_dir
     _assert_each_rank_equals_hf(ep_server, hf, random_prompts(hf.config.vocab_size)[:3])
 
 
+@pytest.mark.slow  # out of the default run's 15-minute budget: make test-slow
+def test_a_weight_update_writes_every_expert_copy_on_every_rank(ep_server, tmp_path):
+    from model_fixtures import build_tiny_model
+    new_dir = build_tiny_model("qwen3_moe", str(tmp_path / "new"), seed=1)
+    _LAST_MODEL.append(new_dir)
+    r = httpx.post(f"{ep_server}/update_weights_from_disk", json={"model_path": new_dir},
+                   timeout=300)
+    assert r.status_code == 200 and r.json()["success"], r.text
+    hf = _hf(new_dir)
+    _assert_each_rank_equals_hf(ep_server, hf, random_prompts(hf.config.vocab_size)[5:7])
+
+
 def test_a_killed_rank_restarts_its_group_as_a_unit(ep_server, tiny_qwen3_moe_dir):
     before = {w["worker_id"]: w for w in _fleet(ep_server)["workers"]}
     os.kill(before["worker-1"]["pid"], signal.SIGKILL)
@@ -95,7 +111,9 @@ def test_a_killed_rank_restarts_its_group_as_a_unit(ep_server, tiny_qwen3_moe_di
     # worker-0 either saw its collectives break first or was taken down with its group
     assert "expert-parallel group" in workers["worker-0"]["error"]
     assert workers["worker-0"]["pid"] != before["worker-0"]["pid"]  # restarted with it
-    hf = _hf(tiny_qwen3_moe_dir)
+    # the restarted ranks replayed the last update (from disk) before taking requests
+    assert all(w["weight_version"] == before[i]["weight_version"] for i, w in workers.items())
+    hf = _hf(_LAST_MODEL[0] if _LAST_MODEL else tiny_qwen3_moe_dir)
     _assert_each_rank_equals_hf(ep_server, hf, random_prompts(hf.config.vocab_size)[3:5])
     kv = httpx.get(f"{ep_server}/debug/kv_conservation", timeout=60)
     assert kv.status_code == 200, kv.text

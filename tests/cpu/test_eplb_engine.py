@@ -271,3 +271,19 @@ def test_redundant_expert_bounds_name_the_option(tiny_qwen3_moe_dir):
     with Engine(model=tiny_qwen3_moe_dir, max_total_tokens=256, ep_num_redundant_experts=1) as eng:
         with pytest.raises(ValueError, match="enable_eplb"):
             eng.rebalance_experts()
+
+
+def test_a_serving_worker_rebalances_on_request(tiny_qwen3_moe_dir):
+    """What POST /fleet/eplb/rebalance runs on each worker (the controller fans it out)."""
+    import asyncio
+
+    from radixray.actors.engine_worker import EngineWorker
+    worker = EngineWorker({"model": tiny_qwen3_moe_dir, "dtype": "float32",
+                           "max_total_tokens": 2048, "enable_eplb": True,
+                           "ep_num_redundant_experts": 2, "eplb_rebalance_num_iterations": 0})
+    try:
+        report = asyncio.run(worker.rebalance_experts())
+        assert report["applied"] and report["trigger"] == "request"
+        assert 0 < report["balancedness_before"] <= 1 and 0 < report["balancedness_after"] <= 1
+    finally:
+        asyncio.run(worker.shutdown())

@@ -97,6 +97,7 @@ def test_user_requests_are_answered_while_a_job_trains_and_updates(fleet_config,
     assert httpx.get(f"{base}/ready").status_code == 200
 
 
+@pytest.mark.slow  # out of the default run's 15-minute budget: make test-slow
 def test_a_trainer_failing_mid_update_leaves_the_old_version_serving(fleet_config, tmp_path):
     """Colocated (workers paused, memory released while training) and separate (a broadcast
     cut half way): the sync raises the trainer's error, every worker keeps its version and

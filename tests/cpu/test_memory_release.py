@@ -217,6 +217,7 @@ def test_int8_weights_and_their_packed_copies_come_back(tiny_llama_dir):
         assert greedy(engine, "int8 weights") == want
 
 
+@pytest.mark.slow  # out of the default run's 15-minute budget: make test-slow
 def test_default_model_release_and_resume():
     """SmolLM2-135M (fp32, ~520 MiB of weights) with a small pool: both tags at once."""
     t0 = time.perf_counter()

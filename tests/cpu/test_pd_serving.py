@@ -181,6 +181,7 @@ def _kill_mid_transfer(base: str, victim: str) -> dict:
     return out
 
 
+@pytest.mark.slow  # out of the default run's 15-minute budget: make test-slow
 def test_prefill_killed_mid_transfer(server):
     out = _kill_mid_transfer(server, "prefill")
     assert out["status"] == 503, out

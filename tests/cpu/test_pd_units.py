@@ -119,3 +119,19 @@ def test_kv_transfer_bench_writes_a_model_shaped_pool(tiny_llama_dir):
     out = run(tiny_llama_dir, tokens=64, repeats=2, loopback_chunk=4 << 20)
     layers = resolve_model(tiny_llama_dir).config.num_hidden_layers
     assert out["spans"] == 2 * layers and out["kv_gb_s_median"] > 0 and out["kv_vs_loopback"] > 0
+
+
+def test_a_router_used_directly_starts_no_ray():
+    """RouterActor outside an actor (as above) must not start a local Ray in this process
+    (a later ray.init would then fail: 'called ray.init twice')."""
+    import asyncio
+
+    import ray
+
+    from radixray.actors.router import RouterActor
+    from radixray.cluster.routing import RouterSettings
+
+    async def run():
+        return RouterActor(RouterSettings()).restarted
+    assert asyncio.run(run()) is False
+    assert not ray.is_initialized()

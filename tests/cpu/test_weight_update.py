@@ -257,6 +257,7 @@ def test_distributed_update_from_a_trainer_process_over_gloo(tiny_qwen3_dir, tmp
         trainer.kill()
 
 
+@pytest.mark.slow  # out of the default run's 15-minute budget: make test-slow
 def test_default_model_takes_new_weights_by_every_path(tmp_path):
     """SmolLM2-135M: a tensor, a disk and a distributed update, each of every parameter, each
     followed by greedy output equal to transformers' on the same weights. transformers loads
