@@ -475,10 +475,7 @@ def controller_actor_class():
 
 def _free_address() -> str:
     """A rendezvous address for torch.distributed on this node (run as a Ray task)."""
-    import socket
-
     import ray
-    ip = ray.util.get_node_ip_address()
-    with socket.socket() as sock:
-        sock.bind((ip, 0))
-        return f"tcp://{ip}:{sock.getsockname()[1]}"
+
+    from radixray.engine.ep_group import free_tcp_address
+    return free_tcp_address(ray.util.get_node_ip_address())

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import tempfile
 import time
 
 from radixray.bench import random_token_prompts, save_json
+from radixray.engine.ep_group import free_tcp_address
 
 logger = logging.getLogger(__name__)
 
@@ -93,18 +93,12 @@ def _rank(rank: int, size: int, address: str | None, model: str, shares, args: d
         eng.shutdown()
 
 
-def _free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
 def run_size(model: str, size: int, prompts: list[list[int]], args: dict) -> dict:
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     shares = [prompts[r::size] for r in range(size)]
-    address = _free_address() if size > 1 else None
+    address = free_tcp_address() if size > 1 else None
     procs = [ctx.Process(target=_rank, args=(r, size, address, model, shares, args, results))
              for r in range(size)]
     for p in procs:

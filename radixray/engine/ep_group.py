@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-
-import torch
+import socket
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +43,7 @@ class ExpertParallelGroup:
                  timeout_s: float = 300.0):
         if not 0 <= rank < size:
             raise ValueError(f"ep_rank must be in [0, ep_size={size}), got {rank}")
+        import torch
         import torch.distributed as dist
         self.rank, self.size, self.backend = rank, size, backend
         if not dist.is_initialized():
@@ -87,3 +87,11 @@ def join_ep_group(config, rank: int, init_method: str | None) -> ExpertParallelG
                          f"rank (radixray serve --ep-size N starts the ranks as a group)")
     backend = "nccl" if config.device.startswith("cuda") else "gloo"
     return ExpertParallelGroup(rank, config.ep_size, init_method, backend, config.ep_timeout_s)
+
+
+def free_tcp_address(host: str = "127.0.0.1") -> str:
+    """``tcp://host:port`` with a port free on ``host`` now: a group's rendezvous (rank 0
+    listens there; a port taken meanwhile fails the group's start with a clear error)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return f"tcp://{host}:{sock.getsockname()[1]}"

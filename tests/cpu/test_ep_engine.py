@@ -7,7 +7,6 @@ and the group stops together.
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -16,7 +15,7 @@ import torch.multiprocessing as mp
 from model_fixtures import assert_greedy_equal, hf_greedy, random_prompts
 
 from radixray.engine.config import EngineConfig
-from radixray.engine.ep_group import join_ep_group
+from radixray.engine.ep_group import free_tcp_address, join_ep_group
 
 NEW_TOKENS = 12
 DEADLINE_S = 240.0
@@ -41,17 +40,11 @@ def _rank(rank: int, size: int, address: str, model_dir: str, prompts: list[list
         eng.shutdown()
 
 
-def _free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
 def _run_group(model_dir: str, prompts: list[list[list[int]]]) -> dict[int, list]:
     ctx = mp.get_context("forkserver")
     results, done = ctx.Queue(), ctx.Event()
     size = len(prompts)
-    address = _free_address()
+    address = free_tcp_address()
     procs = [ctx.Process(target=_rank, args=(r, size, address, model_dir, prompts, results,
                                              done), daemon=True) for r in range(size)]
     for p in procs:
