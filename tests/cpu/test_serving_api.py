@@ -225,6 +225,8 @@ def test_json_body_without_json_content_type(server):
     ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, "temperature"),
     ("/generate", {"sampling_params": {}}, "exactly one of text or input_ids"),
     ("/generate", {"input_ids": [1, "x"]}, "input_ids"),
+    ("/generate", {"text": "hi", "sampling_params": {"return_routed_experts": True}},
+     "needs a mixture-of-experts model"),  # a dense model has no routes to return
 ])
 def test_bad_completion_and_generate_input(server, path, body, needle):
     r = httpx.post(server + path, json=body)
