@@ -47,7 +47,7 @@ class RouterActor:
         self.retries = 0
         self.restarted = reconstructed()
         self._evictor: asyncio.Task | None = None
-        self._view: asyncio.Event | None = None  # set once the controller sent the workers
+        self._view = asyncio.Event()  # set once the controller sent the workers
         watch = start_owner_watch(owner, "router", on_orphaned=lambda: release_orphaned(owner[0]))
         self._tasks = [watch] if watch is not None else []
         if self.restarted and controller is not None:
@@ -69,8 +69,6 @@ class RouterActor:
                 await asyncio.sleep(1.0 + attempt)
 
     async def _wait_for_view(self) -> None:
-        if self._view is None:
-            self._view = asyncio.Event()
         if self.restarted and not self._view.is_set():
             try:
                 await asyncio.wait_for(self._view.wait(), VIEW_WAIT_S)
@@ -130,8 +128,6 @@ class RouterActor:
         self.roles = dict(roles or {})
         self.router.set_workers([w for w in workers if self.roles.get(w) != "decode"])
         self.decode.set_workers([w for w in workers if self.roles.get(w) == "decode"])
-        if self._view is None:
-            self._view = asyncio.Event()
         self._view.set()
 
     async def set_policy(self, policy: str) -> None:

@@ -13,15 +13,13 @@ import torch
 
 from radixray.engine.config import EngineConfig
 from radixray.engine.detokenizer import IncrementalDetokenizer
-from radixray.engine.ep_group import join_ep_group
-from radixray.engine.eplb import ExpertBalancer, model_expert_options, request_rebalance
+from radixray.engine.eplb import ExpertBalancer, request_rebalance
 from radixray.engine.faults import ENGINE_FAILED_STATUS, EngineFailed, EngineHealth
 from radixray.engine.inputs import Limits, build_requests
 from radixray.engine.loader import resolve_model
 from radixray.engine.memory_saver import MemorySaver
 from radixray.engine.messages import MetaInfo, RequestUpdate
 from radixray.engine.model_runner import ModelRunner
-from radixray.engine.models import model_class_for
 from radixray.engine.request import Req
 from radixray.engine.scheduler import AbortCommand, CallInLoop, Scheduler
 from radixray.engine.stop import StopChecker, eos_token_ids
@@ -103,14 +101,11 @@ class Engine:
         source = resolve_model(self.config.model)
         self.tokenizer = source.tokenizer
         self.hf_config = source.config
-        model_expert_options(self.config, model_class_for(source.config))  # before joining
-        self.runner = ModelRunner(self.config, source, join_ep_group(
-            self.config, ep_rank, ep_init_method))
+        self.runner = ModelRunner(self.config, source, ep_rank, ep_init_method)
         stop_checker = StopChecker(self.tokenizer, eos_token_ids(self.tokenizer, source.config))
         self.scheduler = Scheduler(self.config, self.runner, stop_checker, self._on_output)
         self.limits = Limits(self.runner.vocab_size, self.runner.context_len,
-                             self.runner.max_total_tokens,
-                             moe=bool(getattr(self.runner.model, "moe_blocks", None)))
+                             self.runner.max_total_tokens, moe=self.runner.routes_experts)
         self._subs: dict[str, _Subscriber] = {}
         self._lock = threading.Lock()
         self._stopping = False

@@ -9,6 +9,7 @@ import torch
 
 from radixray.engine.attention import create_attention_backend
 from radixray.engine.config import EngineConfig
+from radixray.engine.ep_group import join_ep_group
 from radixray.engine.eplb import model_expert_options
 from radixray.engine.forward_batch import ForwardBatch, ForwardMode
 from radixray.engine.hugepages import pack_parameters_into_huge_pages
@@ -69,10 +70,12 @@ class ModelRunner:
     attributes and logged once at start-up.
     """
 
-    def __init__(self, config: EngineConfig, source: ModelSource, ep=None):
-        """``ep``: this engine's ExpertParallelGroup (engine/ep_group.py) when ep_size > 1."""
+    def __init__(self, config: EngineConfig, source: ModelSource, ep_rank: int = 0,
+                 ep_init_method: str | None = None):
+        """``ep_rank`` / ``ep_init_method``: with ep_size > 1, this engine's rank and its
+        group's rendezvous; ``self.ep`` is then its ExpertParallelGroup (engine/ep_group.py),
+        joined once the options are known to suit the model."""
         self.config = config
-        self.ep = ep
         self.device = config.device
         if self.device != "cpu" and not torch.cuda.is_available():
             raise RuntimeError(f"device={self.device!r} but torch sees no CUDA device "
@@ -95,11 +98,14 @@ class ModelRunner:
             self.kernels = CpuKernels(enabled=config.cpu_kernels and not self.device.startswith("cuda")
                                       and self.dtype == torch.float32)
         model_class = model_class_for(hf)
-        expert_options = model_expert_options(config, model_class)
-        if expert_options and ep is not None:
+        expert_options = model_expert_options(config, model_class)  # refuses before joining
+        self.ep = ep = join_ep_group(config, ep_rank, ep_init_method)
+        if ep is not None:
             expert_options["ep_rank"] = ep.rank
         self.model = model_class(hf, self.dtype, max_positions=self.context_len,
                                  kernels=self.kernels, **expert_options)
+        # MoE models record routes and expert load; a dense model's decode step skips it
+        self.routes_experts = bool(getattr(self.model, "moe_blocks", None))
         self.model.load_weights(source.weights())
         self.quantized_layers = quantize_linears(self.model, config.quantization,
                                                  fused_ops=config.cpu_kernels)
@@ -166,7 +172,7 @@ class ModelRunner:
         prefix_lens, extend_lens, seq_lens, captures = [], [], [], []
         for req, n in items:
             start = req.kv_len
-            if req.sampling.return_routed_experts:
+            if self.routes_experts and req.sampling.return_routed_experts:
                 captures.append((req, len(ids), n, start))
             ids.extend(req.all_ids[start:start + n])
             positions.extend(range(start, start + n))
@@ -193,7 +199,7 @@ class ModelRunner:
             req_rows=torch.tensor([r.req_row for r in reqs], dtype=torch.int64),
             prefix_lens=kv_lens, extend_lens=[1] * len(reqs), seq_lens=[n + 1 for n in kv_lens],
             route_captures=[(r, i, 1, r.kv_len) for i, r in enumerate(reqs)
-                            if r.sampling.return_routed_experts])
+                            if r.sampling.return_routed_experts] if self.routes_experts else [])
 
     def forward_idle(self) -> None:
         """Expert parallelism: this rank's part of a step another rank runs (no tokens)."""
