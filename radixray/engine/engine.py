@@ -119,7 +119,7 @@ class Engine:
                              self.runner.kv_pool, self.config, kv_transport)
         self.weights = WeightUpdater(self.runner, self.scheduler, self.memory)
         self.runner.eplb = ExpertBalancer.create(self.config, self.runner.model,
-                                                 self.weights.exclusive)
+                                                 self.weights.exclusive, self.runner.ep)
         self._thread = threading.Thread(target=self._loop, name="radixray-scheduler", daemon=True)
         self._thread.start()
 

@@ -8,9 +8,10 @@ forward pass exchanges tokens with every other rank in each MoE layer
 (``models/ep_dispatch.py``). So the ranks must run their forward passes together, one
 for one:
 
-- before every scheduler step the ranks agree whether any of them has work, and whether
-  any is stopping (:meth:`ExpertParallelGroup.agree`, one small all-reduce; one rank
-  stopping stops the group);
+- before every scheduler step the ranks agree whether any of them has work, whether
+  any is stopping, and whether any wants an expert rebalance
+  (:meth:`ExpertParallelGroup.agree`, one small all-reduce; one rank stopping stops the
+  group; a rebalance then runs on every rank before the step, ``engine/eplb.py``);
 - if any has, every rank steps; a rank whose step ran no forward pass (no request, or
   none admissible) runs an idle one (:meth:`ModelRunner.forward_idle`: each MoE layer's
   exchange with zero tokens), so every rank calls the same collectives in the same order;
@@ -52,21 +53,40 @@ class ExpertParallelGroup:
                                     timeout=datetime.timedelta(seconds=timeout_s))
         self.group = None  # the world group
         device = "cuda" if backend == "nccl" else "cpu"
-        self._flags = torch.zeros(2, dtype=torch.int32, device=device)
+        self.device = device
+        self._flags = torch.zeros(3, dtype=torch.int32, device=device)
         self.agreements = 0  # all-reduces of the step lockstep (a benchmark reads them)
         logger.info("expert-parallel rank %d of %d joined (%s, %s)", rank, size, backend,
                     init_method)
 
-    def agree(self, has_work: bool, stopping: bool) -> tuple[bool, bool]:
-        """(whether any rank has work this turn, whether any rank is stopping); every rank
-        calls it once per scheduler turn. A stopping rank stops the whole group, so no rank
-        is left waiting in a collective for a peer that has gone."""
+    def agree(self, has_work: bool, stopping: bool,
+              rebalance: bool = False) -> tuple[bool, bool, bool]:
+        """(whether any rank has work this turn, whether any rank is stopping, whether any
+        wants an expert rebalance); every rank calls it once per scheduler turn. A stopping
+        rank stops the whole group, so no rank is left waiting in a collective for a peer
+        that has gone."""
         import torch.distributed as dist
-        self._flags[0], self._flags[1] = int(has_work), int(stopping)
+        self._flags[0], self._flags[1], self._flags[2] = int(has_work), int(stopping), int(rebalance)
         dist.all_reduce(self._flags, op=dist.ReduceOp.MAX, group=self.group)
         self.agreements += 1
-        work, stop = self._flags.tolist()
-        return bool(work), bool(stop)
+        work, stop, rebalance = self._flags.tolist()
+        return bool(work), bool(stop), bool(rebalance)
+
+    def any_of(self, *flags: bool) -> list[bool]:
+        """Each flag or-ed over the ranks (every rank calls it with as many flags)."""
+        import torch
+        import torch.distributed as dist
+        t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return [bool(x) for x in t.tolist()]
+
+    def total(self, counts):
+        """``counts`` (an int64 CPU tensor of the same shape on every rank) summed over the
+        ranks; a new tensor on the CPU."""
+        import torch.distributed as dist
+        t = counts.to(self.device, copy=True)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t.cpu()
 
     def close(self) -> None:
         import torch.distributed as dist

@@ -202,8 +202,11 @@ class ModelRunner:
                             if r.sampling.return_routed_experts] if self.routes_experts else [])
 
     def forward_idle(self) -> None:
-        """Expert parallelism: this rank's part of a step another rank runs (no tokens)."""
+        """Expert parallelism: this rank's part of a step another rank runs (no tokens). It
+        counts as a forward pass for EPLB, so every rank of the group counts alike."""
         self.model.forward_idle()
+        if self.eplb is not None:
+            self.eplb.after_forward()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

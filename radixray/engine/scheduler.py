@@ -164,9 +164,11 @@ class Scheduler(SchedulerFaults):
                     if stop():
                         return
                 else:
-                    group_busy, group_stops = self._agree(local, stop())
+                    group_busy, group_stops, rebalance = self._agree(local, stop())
                     if group_stops:
                         return
+                    if rebalance:
+                        self._rebalance_group()
                 if local:
                     self.step()
                 elif group_busy:
@@ -175,16 +177,23 @@ class Scheduler(SchedulerFaults):
                 logger.exception("scheduler loop fault outside a batch")
                 self.fail_engine(f"the scheduler could not recover from {describe(exc)}")
 
-    def _agree(self, local: bool, stopping: bool) -> tuple[bool, bool]:
-        """The group's (any work, any stopping) for this turn. If the group is broken (a
-        rank died, a collective timed out), the engine fails and stops agreeing: it answers
-        control calls alone until the controller replaces the group."""
+    def _agree(self, local: bool, stopping: bool) -> tuple[bool, bool, bool]:
+        """The group's (any work, any stopping, any rebalance wanted) for this turn. If the
+        group is broken (a rank died, a collective timed out), the engine fails and stops
+        agreeing: it answers control calls alone until the controller replaces the group."""
+        eplb = self.runner.eplb
         try:
-            return self.ep.agree(local, stopping)
+            return self.ep.agree(local, stopping, eplb is not None and eplb.wants_rebalance())
         except Exception as exc:  # noqa: BLE001 - a lost peer; say why, once
-            self.ep = None
-            self.fail_engine(f"expert-parallel group broken: {describe(exc)}")
-            return False, stopping
+            self._group_broken(exc)
+            return False, stopping, False
+
+    def _rebalance_group(self) -> None:
+        """Every rank, at the same turn: the group's expert rebalance (engine/eplb.py)."""
+        try:
+            self.runner.eplb.rebalance_group()
+        except Exception as exc:  # noqa: BLE001 - weights were moving when a peer failed
+            self._group_broken(exc)
 
     def run_until_idle(self) -> None:
         """Drain the inbox and step until no request is left (in-process use and tests)."""
@@ -227,8 +236,11 @@ class Scheduler(SchedulerFaults):
         try:
             self.runner.forward_idle()
         except Exception as exc:  # noqa: BLE001 - the group is broken; say why
-            self.ep = None
-            self.fail_engine(f"expert-parallel group broken: {describe(exc)}")
+            self._group_broken(exc)
+
+    def _group_broken(self, exc: Exception) -> None:
+        self.ep = None
+        self.fail_engine(f"expert-parallel group broken: {describe(exc)}")
 
     def token_usage(self) -> tuple[int, float]:
         used = self.kv.pool_size - self.kv.available_tokens()

@@ -39,6 +39,8 @@ class SchedulerFaults:
         if first:
             self.faults.failed = reason
             logger.error("engine failed, refusing requests from now on: %s", reason)
+            if getattr(self.runner, "eplb", None) is not None:
+                self.runner.eplb.cancel(f"the engine failed: {reason}")
         held = self.held_requests()
         self._fail(held, f"the engine failed: {self.faults.failed}", ENGINE_FAILED_STATUS)
         if first and self.on_failed is not None:

@@ -1,8 +1,9 @@
 """Expert parallelism served: `radixray serve --model <tiny Qwen3-MoE> --ep-size 2
---ep-num-redundant-experts 2` starts one worker as a group of two rank actors
-(torch.distributed among them, each with half of the expert slots, copies included, and
-its own requests). Greedy tokens equal Hugging Face's through /generate on either rank; a
-weight update from disk writes every copy on both ranks (greedy equals HF on the new
+--ep-num-redundant-experts 2 --enable-eplb` starts one worker as a group of two rank
+actors (torch.distributed among them, each with half of the expert slots, copies
+included, and its own requests). Greedy tokens equal Hugging Face's through /generate on
+either rank, also after `POST /fleet/eplb/rebalance` moved experts between the ranks for
+a skewed load; a weight update from disk writes every copy on both ranks (greedy equals HF on the new
 weights); a rank killed mid-run takes its group down, the controller restarts the group
 as a unit, and the fleet serves again with every KV slot accounted for.
 """
@@ -29,7 +30,8 @@ def ep_server(tiny_qwen3_moe_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("ep") / "serve.log"
     log = open(log_path, "w")
     proc = start_radixray_serve(tiny_qwen3_moe_dir, port, log, "--ep-size", "2",
-                                "--ep-num-redundant-experts", "2")
+                                "--ep-num-redundant-experts", "2", "--enable-eplb",
+                                "--eplb-rebalance-num-iterations", "0")
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base, timeout=300)
@@ -82,6 +84,26 @@ def test_ep2_served_greedy_equals_hf_on_both_ranks(ep_server, tiny_qwen3_moe_dir
     assert state["ep_size"] == 2 and [w["state"] for w in state["workers"]] == ["ready"] * 2
     hf = _hf(tiny_qwen3_moe_dir)
     _assert_each_rank_equals_hf(ep_server, hf, random_prompts(hf.config.vocab_size)[:3])
+
+
+def test_a_served_rebalance_moves_experts_between_ranks(ep_server, tiny_qwen3_moe_dir):
+    for rank, other in (("worker-0", "worker-1"), ("worker-1", "worker-0")):
+        _post(ep_server, f"/fleet/workers/{other}/drain")  # a skewed load on each rank
+        for token in (5, 250, 300):
+            assert _generate(ep_server, [token] * 40)["meta_info"]["worker_id"] == rank
+        _post(ep_server, f"/fleet/workers/{other}/resume")
+    r = httpx.post(f"{ep_server}/fleet/eplb/rebalance", timeout=300)
+    assert r.status_code == 200, r.text
+    reports = r.json()
+    reports = reports.get("workers", reports)
+    assert sorted(reports) == ["worker-0", "worker-1"], reports
+    first = [rep for rep in reports.values() if rep["applied"]]
+    assert first, reports  # the group's rebalance (a rank asked later may find no better)
+    rep = first[0]
+    assert rep["ranks"] == 2 and rep["balancedness_after"] > rep["balancedness_before"]
+    assert sum(x["received"] for x in reports.values()) > 0, reports
+    hf = _hf(tiny_qwen3_moe_dir)
+    _assert_each_rank_equals_hf(ep_server, hf, random_prompts(hf.config.vocab_size)[7:9])
 
 
 @pytest.mark.slow  # out of the default run's 15-minute budget: make test-slow

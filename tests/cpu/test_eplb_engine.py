@@ -240,6 +240,19 @@ def test_keep_in_place_keeps_experts_and_balance():
     assert moves(start, kept) == changed < moves(start, raw)
 
 
+def test_transfers_copy_within_a_rank_when_they_can():
+    """Two ranks of 3 slots. Rank 1 swaps experts 1 and 3 between its slots (local copies,
+    read before written) and trades expert 2 for expert 0, whose only copy is on rank 0;
+    every rank computes the same list."""
+    from radixray.engine.eplb_planner import ExpertPlacement
+    old = ExpertPlacement.from_physical_to_logical(torch.tensor([[0, 1, 2, 1, 3, 2]]), 4, 2)
+    new = ExpertPlacement.from_physical_to_logical(torch.tensor([[0, 1, 2, 3, 1, 0]]), 4, 2)
+    maps = [ExpertMap(old, ep_rank=r, ep_size=2) for r in range(2)]
+    assert maps[0].transfers(new) == maps[1].transfers(new) == [[(3, 4), (4, 3), (5, 0)]]
+    alone = ExpertMap(old)  # ep_size 1: every slot is local, the lowest one holding it
+    assert alone.transfers(new) == [[(3, 4), (4, 1), (5, 0)]]
+
+
 @pytest.mark.parametrize("options, field", [
     ({"ep_num_redundant_experts": -1}, "ep_num_redundant_experts must be >= 0"),
     ({"eplb_window_size": 0}, "eplb_window_size must be >= 1"),

@@ -9,7 +9,7 @@ rank ``ep_rank`` holds ``local`` of them; at ``ep_size`` 1 it holds them all.
 :class:`ExpertMap` is the one place that knows both: every MoE layer of a model
 routes through it (:meth:`ExpertMap.to_physical`), the weight layout asks it which
 local slots take a checkpoint's expert (:meth:`ExpertMap.local_experts`), and a
-rebalance asks it where each new slot's weights come from (:meth:`ExpertMap.slot_sources`).
+rebalance asks it where each new slot's weights come from (:meth:`ExpertMap.transfers`).
 
 The planner balances load over ``num_ranks`` of the placement: the EP ranks, or at
 ``ep_size`` 1 every slot on its own (:func:`planning_ranks`). One process computes
@@ -104,29 +104,31 @@ class ExpertMap:
         p2l = (placement or self._placement).physical_to_logical[layer]
         return p2l[self.local.start:self.local.stop].tolist()
 
-    def slot_sources(self, new: ExpertPlacement) -> list[list[tuple[int, int]]]:
-        """Per MoE layer, ``(destination, source)`` local slot indices whose weights must be
-        copied to go from the current placement to ``new`` (slots that keep their expert
-        are left out). The source is a local slot holding that expert now.
+    def transfers(self, new: ExpertPlacement) -> list[list[tuple[int, int]]]:
+        """Per MoE layer, ``(destination, source)`` *physical* slots whose weights must be
+        copied to go from the current placement to ``new``, for every rank of the group
+        (slots that keep their expert are left out), in increasing destination order.
 
-        NotImplementedError when ``new`` puts an expert on this rank that it holds no copy
-        of: that weight comes from another rank, which the expert-parallel backend moves.
+        The source holds the destination's new expert now: a slot on the destination's
+        own rank when there is one (a local copy), else the lowest-numbered slot holding
+        it (a copy from another rank). Every rank computes the same list from the same
+        two placements, so all of them know who sends what to whom without asking.
         """
+        old = self._placement
+        per_rank = len(self.local)  # slots per EP rank (all of them at ep_size 1)
         out = []
         for layer in range(new.num_layers):
-            old_experts = self.local_experts(layer)
-            first = {}
-            for i, e in enumerate(old_experts):
-                first.setdefault(e, i)
+            was = old.physical_to_logical[layer].tolist()
+            now = new.physical_to_logical[layer].tolist()
+            holders: dict[int, list[int]] = {}
+            for slot, expert in enumerate(was):
+                holders.setdefault(expert, []).append(slot)
             pairs = []
-            for i, e in enumerate(self.local_experts(layer, new)):
-                if old_experts[i] == e:
+            for slot, expert in enumerate(now):
+                if was[slot] == expert:
                     continue
-                if e not in first:
-                    raise NotImplementedError(
-                        f"MoE layer {layer}: the new placement puts expert {e} on rank "
-                        f"{self.ep_rank}, which holds no copy; cross-rank moves need the "
-                        f"expert-parallel backend")
-                pairs.append((i, first[e]))
+                rank = slot // per_rank
+                held = holders[expert]
+                pairs.append((slot, next((s for s in held if s // per_rank == rank), held[0])))
             out.append(pairs)
         return out

@@ -25,6 +25,7 @@ from torch import nn
 from radixray.engine.eplb_planner import ExpertPlacement
 from radixray.engine.forward_batch import ForwardBatch
 from radixray.engine.models.expert_map import ExpertMap
+from radixray.engine.models.expert_moves import MoveStats, move_expert_weights
 from radixray.engine.models.experts import ExpertDispatcher, Gate, LocalExperts, TopKRouter
 from radixray.engine.models.llama import LlamaForCausalLM, LlamaMLP
 from radixray.kernels.cpu_ops import CpuKernels
@@ -210,25 +211,19 @@ class MoeForCausalLM(LlamaForCausalLM):
         return counts
 
     # ---- expert placement (EPLB) ------------------------------------------------------
-    def apply_placement(self, new: ExpertPlacement) -> int:
+    def apply_placement(self, new: ExpertPlacement) -> MoveStats:
         """Copy expert weights into the slots ``new`` assigns and route by it from now on;
-        returns the local slots rewritten. Scheduler thread, between forward passes, never
-        during a weight-update session. Every copy is read before any is written, so a
-        failure (memory) leaves the old placement and weights serving. Each dispatcher
-        parameter is stacked over its local slots along dim 0."""
-        sources = self.expert_map.slot_sources(new)
-        copies = []
-        for block, pairs in zip(self.moe_blocks, sources):
-            if pairs:
-                dst = torch.tensor([d for d, _ in pairs])
-                src = torch.tensor([s for _, s in pairs])
-                for param in block.experts.parameters():
-                    copies.append((param.data, dst.to(param.device), param.data[src.to(param.device)]))
-        with torch.no_grad():
-            for data, dst, values in copies:
-                data[dst] = values
-        self.expert_map.set(new)
-        return sum(len(pairs) for pairs in sources)
+        returns what moved on this rank. Scheduler thread, between forward passes, never
+        during a weight-update session. Under expert parallelism every rank of the group
+        calls it with the same ``new`` at the same point (weights cross between ranks:
+        ``models/expert_moves.py``). Every copy is read before any is written, so a
+        failure leaves the old placement and weights serving."""
+        em = self.expert_map
+        group = getattr(self.moe_blocks[0].experts, "group", None)
+        stats = move_expert_weights(self.moe_blocks, em.transfers(new), em.ep_rank, em.ep_size,
+                                    len(em.local), group)
+        em.set(new)
+        return stats
 
     def slot_experts(self, module_path: str) -> tuple[list[int], int]:
         """For the dispatcher at ``module_path`` (``layers.3.mlp.experts``): the logical expert
