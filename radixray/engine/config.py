@@ -105,6 +105,9 @@ class EngineConfig:
         "when asked, Engine.rebalance_experts)", ge=0)
     eplb_window_size: int = option(1000, "with enable_eplb: the forward passes whose expert "
                                    "load a rebalance plans for (a sliding window)", ge=1)
+    enable_return_routed_experts: bool = option(
+        False, "MoE models: keep the routers' choices of every token in the KV pool, so "
+        "return_routed_experts covers a request's whole sequence, cached prefix included")
     ep_size: int = option(1, "MoE models: expert parallelism over this many ranks (one "
                           "process each; a serving worker becomes a group of rank actors), "
                           "each holding 1/ep_size of the expert slots and its own requests",
@@ -122,6 +125,9 @@ class EngineConfig:
             raise ValueError("quantization='w8a8_int8' runs on the CPU only (device='cpu')")
         if self.deterministic:
             self._check_deterministic()
+        if self.enable_return_routed_experts and self.disaggregation_mode is not None:
+            raise ValueError("enable_return_routed_experts with disaggregation_mode: the "
+                             "prompt's routes stay on the prefill worker; turn one of them off")
         if self.quantize_lm_head and self.quantization != "w8a8_int8":
             raise ValueError("quantize_lm_head needs quantization='w8a8_int8', got "
                              f"quantization={self.quantization!r}")

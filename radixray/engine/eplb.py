@@ -51,7 +51,7 @@ from radixray.engine.weight_session import SESSION_OPEN
 
 logger = logging.getLogger(__name__)
 
-EPLB_OPTIONS = ("ep_num_redundant_experts", "enable_eplb")
+MOE_ONLY_OPTIONS = ("ep_num_redundant_experts", "enable_eplb", "enable_return_routed_experts")
 
 
 def model_expert_options(config, model_class: type) -> dict:
@@ -61,7 +61,7 @@ def model_expert_options(config, model_class: type) -> dict:
     if issubclass(model_class, MoeForCausalLM):
         return {"num_redundant_experts": config.ep_num_redundant_experts,
                 "ep_size": config.ep_size, "ep_dispatch_backend": config.ep_dispatch_backend}
-    for name in EPLB_OPTIONS + ("ep_size",):
+    for name in MOE_ONLY_OPTIONS + ("ep_size",):
         value = getattr(config, name)
         if value and not (name == "ep_size" and value == 1):
             raise ValueError(f"{name}={value!r} needs a mixture-of-experts model; "

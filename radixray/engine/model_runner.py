@@ -17,7 +17,7 @@ from radixray.engine.loader import ModelSource
 from radixray.engine.memory import KVPool, ReqToTokenPool, TokenSlotAllocator, kv_bytes_per_token
 from radixray.engine.models import model_class_for
 from radixray.engine.request import Req
-from radixray.engine.routed_experts import record_routes
+from radixray.engine.routed_experts import SlotRoutes, record_routes
 from radixray.kernels.cpu_ops import BatchInvariantKernels, CpuKernels
 from radixray.kernels.int8_linear import quantize_linears
 
@@ -145,6 +145,11 @@ class ModelRunner:
             backend, self.req_pool.table, self.kv_pool, scaling, self.dtype)
         for attn in self.model.attention_layers():
             attn.attn = self.attn_backend
+        self.slot_routes = None  # enable_return_routed_experts (engine/routed_experts.py)
+        if config.enable_return_routed_experts:
+            moe = self.model.moe
+            self.slot_routes = SlotRoutes(self.max_total_tokens + 1, len(moe.sparse_layers),
+                                          moe.top_k, moe.num_experts)
 
         logger.info(
             "Model %s loaded in %.1f s: dtype=%s (%s), quantization=%s (%d linear layers, lm_head %s), "
@@ -201,6 +206,14 @@ class ModelRunner:
             route_captures=[(r, i, 1, r.kv_len) for i, r in enumerate(reqs)
                             if r.sampling.return_routed_experts] if self.routes_experts else [])
 
+    def collect_routes(self, req: Req) -> None:
+        """``req`` finishes (its slots not yet released): with enable_return_routed_experts and
+        return_routed_experts, its routes become those of every token it holds in the KV,
+        from position 0 (the cached prefix included)."""
+        if (self.slot_routes is not None and req.sampling.return_routed_experts
+                and req.req_row is not None and req.kv_len):
+            self.slot_routes.collect(req, self.req_pool.table[req.req_row, :req.kv_len])
+
     def forward_idle(self) -> None:
         """Expert parallelism: this rank's part of a step another rank runs (no tokens). It
         counts as a forward pass for EPLB, so every rank of the group counts alike."""
@@ -217,6 +230,8 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(batch)
         logits = self.model(batch)
         record_routes(batch)
+        if self.slot_routes is not None and batch.routed_experts is not None:
+            self.slot_routes.write(batch.out_cache_loc, batch.routed_experts)
         if self.eplb is not None:
             self.eplb.after_forward()
         return logits

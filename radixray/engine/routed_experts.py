@@ -14,6 +14,14 @@ are positions ``routed_experts_start .. prompt_tokens + completion_tokens - 2``:
 Recomputed tokens replace the old ones: a retracted request that runs again from
 position ``p`` keeps what it had before ``p`` (when contiguous) and records the
 rest anew.
+
+With the engine option ``enable_return_routed_experts`` the cached prefix is covered too
+(``routed_experts_start`` is 0), what RL on MoE models needs to replay a rollout's routing
+in training: :class:`SlotRoutes` keeps every forward pass's choices by KV slot, so the
+tokens of a prefix computed for an earlier request still carry their routes, and a
+finishing request reads the routes of all its tokens from its slots before they are
+released. Cost: one row copy per computed token per pass into a host table of
+``pool slots x MoE layers x k`` small ints.
 """
 
 from __future__ import annotations
@@ -40,6 +48,13 @@ class RoutedExpertsRecord:
         self._chunks.append(ids)
         self._len += ids.shape[0]
 
+    @classmethod
+    def whole(cls, ids: torch.Tensor) -> RoutedExpertsRecord:
+        """A record of ``ids`` ``[n, layers, k]`` for positions ``0 .. n - 1``."""
+        record = cls()
+        record.add(0, ids)
+        return record
+
     def __len__(self) -> int:
         return self._len
 
@@ -52,10 +67,30 @@ def record_routes(batch) -> None:
     """Hand each capturing request of ``batch`` (a ForwardBatch after the forward pass) its
     rows of ``batch.routed_experts``."""
     routes = batch.routed_experts
-    if routes is None:
+    if routes is None or not batch.route_captures:
         return
     routes = routes.to("cpu", torch.int32)
     for req, row, n, position in batch.route_captures:
         if req.routed_experts is None:
             req.routed_experts = RoutedExpertsRecord()
         req.routed_experts.add(position, routes[row:row + n])
+
+
+class SlotRoutes:
+    """The routers' top-k logical expert ids ``[layers, k]`` of the token held in each KV slot
+    (``enable_return_routed_experts``): written after every forward pass for the slots it
+    filled, read for a request's slots when it finishes. A slot's row is valid while the
+    slot holds that token's KV (the request or the radix cache holds it)."""
+
+    def __init__(self, num_slots: int, num_layers: int, top_k: int, num_experts: int):
+        dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
+        self.table = torch.zeros(num_slots, num_layers, top_k, dtype=dtype)
+
+    def write(self, slots: torch.Tensor, routes: torch.Tensor) -> None:
+        """``routes`` ``[T, layers, k]`` of the tokens written to ``slots`` ``[T]``."""
+        self.table[slots.cpu()] = routes.to("cpu", self.table.dtype)
+
+    def collect(self, req, slots: torch.Tensor) -> None:
+        """``req`` finishes holding ``slots`` (its positions ``0 .. len(slots) - 1``): its record
+        becomes the routes of all of them, cached prefix included."""
+        req.routed_experts = RoutedExpertsRecord.whole(self.table[slots.cpu()].to(torch.int32))

@@ -468,6 +468,7 @@ class Scheduler(SchedulerFaults):
         req.finish_reason = reason
         req.finish_time = time.perf_counter()
         if release:
+            self.runner.collect_routes(req)
             self.kv.release(req)
         if reason.type == "abort":
             self.stats.num_aborted_reqs += 1

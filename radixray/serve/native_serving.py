@@ -36,6 +36,8 @@ def _params(req: GenerateRequest, n: int) -> list[dict]:
     except ValueError as exc:
         raise ApiError(400, str(exc), param="sampling_params") from None
     params = dict(raw)
+    if req.return_routed_experts:
+        params["return_routed_experts"] = True
     if req.return_logprob:
         params["return_logprob"] = True
         params["top_logprobs_num"] = req.top_logprobs_num

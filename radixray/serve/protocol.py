@@ -110,6 +110,8 @@ class GenerateRequest(BaseModel):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0)  # bounded by server.max_top_logprobs
+    # MoE models: meta_info.routed_experts (as SGLang's field; the same as the sampling param)
+    return_routed_experts: bool = False
     rid: str | None = None
     priority: int | None = None
 

@@ -84,6 +84,15 @@ def test_ep2_served_greedy_equals_hf_on_both_ranks(ep_server, tiny_qwen3_moe_dir
     assert state["ep_size"] == 2 and [w["state"] for w in state["workers"]] == ["ready"] * 2
     hf = _hf(tiny_qwen3_moe_dir)
     _assert_each_rank_equals_hf(ep_server, hf, random_prompts(hf.config.vocab_size)[:3])
+    prompt = random_prompts(hf.config.vocab_size)[0]  # as SGLang's field, top-level
+    r = httpx.post(f"{ep_server}/generate", timeout=120, json={
+        "input_ids": prompt, "return_routed_experts": True,
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    meta = out["meta_info"]
+    assert len(meta["routed_experts"]) == (len(prompt) + len(out["output_ids"]) - 1
+                                           - meta["routed_experts_start"])
 
 
 def test_a_served_rebalance_moves_experts_between_ranks(ep_server, tiny_qwen3_moe_dir):

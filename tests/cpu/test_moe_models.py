@@ -112,6 +112,40 @@ def test_routed_experts_equal_hf_router_and_feed_the_load_counters(kind, request
     assert torch.equal(load, expected_load)  # every computed token counted once per expert
 
 
+def test_routes_by_slot_cover_the_cached_prefix(tiny_qwen3_moe_dir):
+    """enable_return_routed_experts: a request whose prompt comes from the radix cache gets
+    the routes of its whole sequence from position 0, equal to the HF routers' top-k."""
+    hf = _hf(tiny_qwen3_moe_dir)
+    k = hf.config.num_experts_per_tok
+    prompts = _prompts(hf.config.vocab_size)[:2]
+    params = {**GREEDY, "max_new_tokens": 6, "return_routed_experts": True}
+    with Engine(model=tiny_qwen3_moe_dir, dtype="float32", max_total_tokens=4096,
+                enable_return_routed_experts=True, check_kv_conservation=True) as eng:
+        first = eng.generate(input_ids=prompts[0], sampling_params=params)
+        again = eng.generate(input_ids=prompts[0] + first["output_ids"][:3],
+                             sampling_params=params)
+        plain = eng.generate(input_ids=prompts[1], sampling_params={**GREEDY, "max_new_tokens": 2})
+    assert "routed_experts" not in plain["meta_info"]
+    assert again["meta_info"]["cached_tokens"] >= len(prompts[0])
+    for label, prompt, out in (("first", prompts[0], first),
+                               ("cached", prompts[0] + first["output_ids"][:3], again)):
+        meta = out["meta_info"]
+        assert meta["routed_experts_start"] == 0
+        seq = prompt + out["output_ids"][:-1]
+        assert len(meta["routed_experts"]) == len(seq)
+        _assert_routes_equal(meta["routed_experts"], _hf_router_probs(hf, seq), k, label)
+
+
+def test_routes_by_slot_need_a_moe_model_and_no_disaggregation(tiny_llama_dir,
+                                                                tiny_qwen3_moe_dir):
+    with pytest.raises(ValueError, match="enable_return_routed_experts=True needs a mixture"):
+        Engine(model=tiny_llama_dir, dtype="float32", enable_return_routed_experts=True)
+    from radixray.engine.config import EngineConfig
+    with pytest.raises(ValueError, match="enable_return_routed_experts with disaggregation"):
+        EngineConfig.from_kwargs(model=tiny_qwen3_moe_dir, enable_return_routed_experts=True,
+                                 disaggregation_mode="prefill")
+
+
 def test_routed_experts_record_keeps_positions_through_recomputation():
     rec = RoutedExpertsRecord()
     rows = torch.arange(10 * 2 * 2).reshape(10, 2, 2)

@@ -227,6 +227,7 @@ def test_json_body_without_json_content_type(server):
     ("/generate", {"input_ids": [1, "x"]}, "input_ids"),
     ("/generate", {"text": "hi", "sampling_params": {"return_routed_experts": True}},
      "needs a mixture-of-experts model"),  # a dense model has no routes to return
+    ("/generate", {"text": "hi", "return_routed_experts": True}, "needs a mixture-of-experts"),
 ])
 def test_bad_completion_and_generate_input(server, path, body, needle):
     r = httpx.post(server + path, json=body)

@@ -195,8 +195,7 @@ class MoeForCausalLM(LlamaForCausalLM):
             offsets = torch.arange(layers, device=stacked.device)[None, :, None] * experts
             self.expert_counts.view(-1).add_(
                 torch.bincount((stacked + offsets).flatten(), minlength=layers * experts))
-            if batch.route_captures:
-                batch.routed_experts = stacked
+            batch.routed_experts = stacked  # for capturing requests and SlotRoutes
         return logits
 
     def expert_load(self, reset: bool = False) -> torch.Tensor:
