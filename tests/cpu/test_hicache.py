@@ -146,3 +146,81 @@ def test_bad_options_name_the_field(tiny_llama_dir):
     with pytest.raises(ValueError, match="hicache_size"):
         Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=450,
                enable_hierarchical_cache=True, hicache_size=1e6)
+
+
+# ---- the load-back's contract on a model-free manager (tiny pools, hand-written KV) ----
+
+def _manager(device_tokens: int, host_tokens: int):
+    from radixray.engine.hicache.host_pool import HostKVPool
+    from radixray.engine.hicache.manager import HiCacheKVManager
+    from radixray.engine.memory import KVPool, ReqToTokenPool, TokenSlotAllocator
+    from radixray.engine.radix_cache import RadixCache
+    alloc = TokenSlotAllocator(device_tokens)
+    pool = KVPool(device_tokens, 2, 1, 4, torch.float32)
+    host = HostKVPool(host_tokens, 2, 1, 4, torch.float32)
+    return HiCacheKVManager(alloc, ReqToTokenPool(4, 64), RadixCache(alloc), pool, host,
+                            "write_through")
+
+
+def _cache_with_kv(kv, key: list[int]) -> torch.Tensor:
+    """Cache ``key`` on the device with random KV (and, write_through, on the host)."""
+    slots = kv.alloc_slots(len(key))
+    for layer in range(2):
+        kv.kv_pool.write(layer, slots, torch.randn(len(key), 1, 4), torch.randn(len(key), 1, 4))
+    assert kv.cache.insert(key, slots) == 0
+    path = kv.cache.walk(key)
+    kv._backup(key, torch.cat([n.slots[:k] for n, k in path]))
+    return torch.stack([kv.kv_pool.k_buffers[layer][slots] for layer in range(2)])
+
+
+def _waiting(key: list[int]):
+    from types import SimpleNamespace
+    return SimpleNamespace(rid="r", all_ids=key + [999], seq_len=len(key) + 1)
+
+
+def _conserved(kv) -> None:
+    kv.check_conservation([])
+
+
+def test_load_back_never_evicts_locked_prefixes_and_copies_exactly():
+    kv = _manager(device_tokens=20, host_tokens=40)
+    a, b = list(range(1, 11)), list(range(100, 112))
+    k_a = _cache_with_kv(kv, a)
+    kv.cache.evict(kv.cache.total_size())  # a lives on in the host tier only
+    _cache_with_kv(kv, b)
+    locked = kv.cache.match_prefix(b)
+    kv.cache.inc_lock_ref(locked.last_node)  # b is in the batch being built
+    k_b = torch.stack([kv.kv_pool.k_buffers[layer][locked.slots] for layer in range(2)])
+    kv.prepare_admission([_waiting(a)])  # 10 tokens to load, 8 free, nothing evictable
+    assert sum(n for _, n in kv.cache.walk(a)) == 0
+    assert torch.equal(k_b, torch.stack([kv.kv_pool.k_buffers[layer][locked.slots]
+                                         for layer in range(2)]))
+    _conserved(kv)
+    kv.cache.dec_lock_ref(locked.last_node)  # b done: its LRU leaf may now make room
+    kv.prepare_admission([_waiting(a)])
+    loaded = kv.cache.match_prefix(a)
+    assert len(loaded.slots) == len(a)
+    assert torch.equal(k_a, torch.stack([kv.kv_pool.k_buffers[layer][loaded.slots]
+                                         for layer in range(2)]))
+    assert kv.lock_cost(loaded) == len(a)  # the loaded prefix is unlocked again
+    _conserved(kv)
+
+
+def test_fp8_host_layout_round_trips_within_its_precision():
+    from radixray.engine.hicache.host_pool import HostKVPool
+    from radixray.engine.memory import KVPool
+    pool = KVPool(8, 2, 2, 4, torch.float32)
+    host = HostKVPool(8, 2, 2, 4, torch.float32, "fp8_e4m3")
+    slots = torch.arange(1, 9)
+    for layer in range(2):
+        pool.write(layer, slots, torch.randn(8, 2, 4) * 10, torch.randn(8, 2, 4))
+    before = torch.stack(pool.k_buffers + pool.v_buffers)[:, 1:].clone()
+    host.store(pool, slots, slots)
+    blob = host.export(slots)
+    host2 = HostKVPool(8, 2, 2, 4, torch.float32, "fp8_e4m3")
+    host2.import_(slots, blob)
+    host2.load(pool, slots, slots.flip(0))
+    after = torch.stack(pool.k_buffers + pool.v_buffers)[:, 1:].flip(1)
+    err = (after - before).abs() / before.abs().amax(dim=(-2, -1), keepdim=True)
+    assert float(err.max()) <= 2 ** -4  # e4m3: 3 mantissa bits, scaled per token
+    assert host.bytes_per_token == 2 * 2 * 2 * 4 + 2 * 2 * 4
