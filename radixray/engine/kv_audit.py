@@ -51,8 +51,9 @@ class KVAudit:
             logger.error(
                 "KV slot accounting is off by %d (pool %d != free %d + request-held %d + "
                 "cache-held %d). Requests: %s. Cache: %d evictable, %d protected, %d in "
-                "retired trees; host tier (free, cached, size): %s", leak, kv.pool_size, free, held, cached, owners,
-                cache.evictable_size(), cache.protected_size(), cache.retired_size(), host)
+                "retired trees; host tier (free, cached, size): %s", leak, kv.pool_size, free,
+                held, cached, owners, cache.evictable_size(), cache.protected_size(),
+                cache.retired_size(), host)
         elif not leak and self.leak:
             logger.warning("KV slot accounting balances again")
         self.leak = leak
