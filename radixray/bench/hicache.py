@@ -13,6 +13,9 @@ conversation is sent four times, and each send's time to first token (the engine
   tier (whole pages; the tail past the last page is computed);
 
 and the engine without HiCache sends it once, after the same eviction: ``recompute``.
+``--layout-check N`` instead compares N greedy tokens after a host hit with the computed
+ones for each host layout (is fp8_e4m3 lossy enough to change the output?).
+
 Medians over ``--repeats`` (after one short warm-up request per engine); every mode's
 first token must equal the cold one.
 """
@@ -84,6 +87,36 @@ def run(model: str, tokens: int, repeats: int, engine_options: dict) -> dict:
     return result
 
 
+def layout_check(model: str, tokens: int, new_tokens: int, engine_options: dict) -> dict:
+    """Greedy tokens after a host-tier hit vs computed, per host layout (auto, fp8_e4m3):
+    a prose prompt and a random one of ``tokens`` tokens each, evicted from the KV pool
+    between the two sends."""
+    from radixray import Engine
+    greedy = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
+    out = {}
+    for layout in ("auto", "fp8_e4m3"):
+        with Engine(model=model, enable_hierarchical_cache=True, hicache_host_dtype=layout,
+                    max_total_tokens=2 * tokens + 2 * new_tokens + 64, **engine_options) as eng:
+            rng = random.Random(1)
+            prose = eng.tokenizer(PROSE * (tokens // 20 + 1))["input_ids"][:tokens]
+            noise = [rng.randrange(10, eng.limits.vocab_size - 10) for _ in range(tokens)]
+            equal = []
+            for prompt in (prose, noise):
+                first = eng.generate(input_ids=prompt, sampling_params=greedy)["output_ids"]
+                _drop(eng, host=False)
+                again = eng.generate(input_ids=prompt, sampling_params=greedy)["output_ids"]
+                equal.append(next((i for i, (a, b) in enumerate(zip(first, again)) if a != b),
+                                  len(first)))
+            out[layout] = {"equal_prefix_tokens": equal,
+                           "host_hit_tokens": eng.scheduler.kv.stats.host_hit_tokens,
+                           "host_bytes_per_token": eng.scheduler.kv.host.bytes_per_token}
+    return out
+
+
+PROSE = ("The printing press spread across Europe within decades, and with it pamphlets, "
+         "schedules, maps and the habit of reading in private. ")
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("hicache", help="TTFT of an evicted conversation: host tier, storage "
                        "tier and recompute, side by side")
@@ -91,12 +124,17 @@ def add_parser(sub) -> None:
     p.add_argument("--tokens", type=int, default=4096, help="conversation length")
     p.add_argument("--repeats", type=int, default=3, help="medians over this many")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--layout-check", type=int, default=0, metavar="NEW_TOKENS",
+                   help="instead: greedy tokens after a host hit vs computed, for the auto "
+                   "and fp8_e4m3 host layouts, this many new tokens")
     p.add_argument("--output", default=None, help="write the result as JSON here")
     p.set_defaults(func=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
-    result = run(args.model, args.tokens, args.repeats, {"dtype": args.dtype})
+    opts = {"dtype": args.dtype}
+    result = (layout_check(args.model, args.tokens, args.layout_check, opts)
+              if args.layout_check else run(args.model, args.tokens, args.repeats, opts))
     text = json.dumps(result, indent=2)
     print(text)
     if args.output:
