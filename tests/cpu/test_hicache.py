@@ -75,7 +75,8 @@ def test_evicted_conversation_comes_back_from_host(tiny_llama_dir, prompts, hf_r
 
 
 def test_host_hit_counts_in_metrics(tiny_llama_dir, prompts):
-    with Engine(model=tiny_llama_dir, **POOL) as eng:
+    """Also with 64-token prefill chunks: write_through copies after every chunk."""
+    with Engine(model=tiny_llama_dir, chunked_prefill_size=64, **POOL) as eng:
         _run(eng, prompts[0])
         _evict_with_other_traffic(eng, prompts)
         _run(eng, prompts[0])
@@ -203,6 +204,22 @@ def test_load_back_never_evicts_locked_prefixes_and_copies_exactly():
     assert torch.equal(k_a, torch.stack([kv.kv_pool.k_buffers[layer][loaded.slots]
                                          for layer in range(2)]))
     assert kv.lock_cost(loaded) == len(a)  # the loaded prefix is unlocked again
+    _conserved(kv)
+
+
+def test_a_weight_update_drops_host_copies_and_storage_pages(tmp_path):
+    """KV of older weights is never loaded back: the host tree is emptied and the storage
+    namespace carries the weight version."""
+    from radixray.engine.hicache.storage import FileStorage
+    kv = _manager(device_tokens=200, host_tokens=400)
+    kv.storage = FileStorage(str(tmp_path))
+    a = list(range(1, 130))
+    _cache_with_kv(kv, a)
+    assert kv.stats.storage_pages_written == 2 and kv._storage_has(a, 0)
+    kv.on_weight_version(1)
+    assert kv.host_cache.total_size() == 0 and not kv._storage_has(a, 0)
+    kv.prepare_admission([_waiting(a)])
+    assert sum(n for _, n in kv.cache.walk(a)) == 0 and kv.stats.storage_pages_read == 0
     _conserved(kv)
 
 
