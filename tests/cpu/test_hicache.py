@@ -292,3 +292,21 @@ def test_mooncake_storage_tier(tiny_llama_dir, prompts, mooncake_master):
         stats = eng.scheduler.kv.stats
     assert again["output_ids"] == first["output_ids"]
     assert stats.storage_hit_tokens == (PROMPT_LEN - 1) // 64 * 64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2])
+def test_auto_host_layout_is_bit_exact_for_every_pool_dtype(dtype):
+    from radixray.engine.hicache.host_pool import HostKVPool
+    from radixray.engine.memory import KVPool
+    pool = KVPool(6, 2, 2, 4, dtype)
+    host = HostKVPool(6, 2, 2, 4, dtype)
+    slots = torch.arange(1, 7)
+    for layer in range(2):
+        pool.write(layer, slots, torch.randn(6, 2, 4), torch.randn(6, 2, 4))
+    raw = [b.view(torch.uint8)[1:].clone() for b in pool.k_buffers + pool.v_buffers]
+    host.store(pool, slots, slots.flip(0))
+    copy = HostKVPool(6, 2, 2, 4, dtype)
+    copy.import_(slots, host.export(slots))  # through a storage page and back
+    copy.load(pool, slots.flip(0), slots)
+    assert all(torch.equal(r, b.view(torch.uint8)[1:])
+               for r, b in zip(raw, pool.k_buffers + pool.v_buffers))
