@@ -207,6 +207,16 @@ def test_load_back_never_evicts_locked_prefixes_and_copies_exactly():
     _conserved(kv)
 
 
+def test_a_prefix_larger_than_the_host_tier_evicts_nothing_there():
+    kv = _manager(device_tokens=100, host_tokens=30)
+    small, big = list(range(1, 21)), list(range(200, 240))
+    _cache_with_kv(kv, small)
+    _cache_with_kv(kv, big)  # 40 tokens cannot fit in 30 host rows: no copy, no eviction
+    assert sum(n for _, n in kv.host_cache.walk(small)) == len(small)
+    assert sum(n for _, n in kv.host_cache.walk(big)) == 0
+    _conserved(kv)
+
+
 def test_a_weight_update_drops_host_copies_and_storage_pages(tmp_path):
     """KV of older weights is never loaded back: the host tree is emptied and the storage
     namespace carries the weight version."""

@@ -126,6 +126,10 @@ class HiCacheKVManager(KVManager):
 
     # ------------------------------------------------------------------ host copies
     def _alloc(self, allocator: TokenSlotAllocator, cache: RadixCache, n: int):
+        """``n`` slots of one tier, evicting its unlocked LRU leaves if needed; None, having
+        evicted nothing, when free + evictable cannot cover ``n``."""
+        if n > allocator.available_size() + cache.evictable_size():
+            return None
         slots = allocator.alloc(n)
         if slots is None:
             cache.evict(n - allocator.available_size())
