@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     from radixray.bench import (
         cache_experiment,
         expert_parallel,
+        hicache,
         kernels,
         kv_transfer,
         naive_server,
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     vs_hf.add_parser(bench_sub)
     weight_update.add_parser(bench_sub)
     expert_parallel.add_parser(bench_sub)
+    hicache.add_parser(bench_sub)
 
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve` re-runs itself with it

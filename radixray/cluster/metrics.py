@@ -44,7 +44,8 @@ def scheduler_snapshot(scheduler) -> WorkerLoad:
         failed_steps=scheduler.faults.total, engine_failed=scheduler.faults.failed is not None,
         paused=scheduler.paused, kv_slot_leak=scheduler.kv_audit.leak,
         pd=side_snapshot(scheduler.pd) if scheduler.pd is not None else None,
-        eplb=eplb.snapshot() if (eplb := getattr(scheduler.runner, "eplb", None)) else None)
+        eplb=eplb.snapshot() if (eplb := getattr(scheduler.runner, "eplb", None)) else None,
+        hicache=scheduler.kv.tier_snapshot())
 
 
 class WorkerMetrics:
@@ -167,13 +168,7 @@ class WorkerMetrics:
             c = CounterMetricFamily(PREFIX + name, doc, labels=["worker"])
             c.add_metric(w, float(getattr(snapshot, key)))
             out.append(c)
-        eff = CounterMetricFamily(
-            PREFIX + "prefill_effective_tokens", "Prefill tokens by where their KV came from: "
-            "input = computed, device_hit = reused from the radix cache. Hit rate = "
-            "rate(device_hit) / rate(input + device_hit).", labels=["worker", "mode"])
-        eff.add_metric(w + ["input"], float(snapshot.prefill_input_tokens))
-        eff.add_metric(w + ["device_hit"], float(snapshot.prefill_cached_tokens))
-        out.append(eff)
+        out += hicache_families(w, snapshot)
         if snapshot.eplb is not None:
             g = GaugeMetricFamily(PREFIX + "eplb_balancedness", "Expert load balance of the "
                                   "current placement on the last eplb_window_size forward "
@@ -185,6 +180,34 @@ class WorkerMetrics:
             c.add_metric(w, float(snapshot.eplb["rebalances"]))
             out += [g, c]
         return out
+
+
+def hicache_families(w: list[str], snapshot: WorkerLoad) -> list[Metric]:
+    """prefill_effective_tokens by tier, and with the hierarchical cache its per-tier hits."""
+    hc = snapshot.hicache or {}
+    host, storage = hc.get("host_hit_tokens", 0), hc.get("storage_hit_tokens", 0)
+    eff = CounterMetricFamily(
+        PREFIX + "prefill_effective_tokens", "Prefill tokens by where their KV came from: "
+        "input = computed, device_hit = the radix cache in the KV pool, host_hit / "
+        "storage_hit = loaded back from the hierarchical cache's host / storage tier. Hit "
+        "rate = rate(sum of *_hit) / rate(sum of all modes).", labels=["worker", "mode"])
+    eff.add_metric(w + ["input"], float(snapshot.prefill_input_tokens))
+    eff.add_metric(w + ["device_hit"], float(snapshot.prefill_cached_tokens - host - storage))
+    eff.add_metric(w + ["host_hit"], float(host))
+    eff.add_metric(w + ["storage_hit"], float(storage))
+    if not hc:
+        return [eff]
+    hits = CounterMetricFamily(PREFIX + "hicache_hits", "Admitted requests whose prefix was "
+                               "loaded back from a hierarchical cache tier.",
+                               labels=["worker", "tier"])
+    hits.add_metric(w + ["host"], float(hc["host_hits"]))
+    hits.add_metric(w + ["storage"], float(hc["storage_hits"]))
+    pool = GaugeMetricFamily(PREFIX + "hicache_host_tokens", "Host tier token slots: its "
+                             "size (state=total) and those holding cached prefixes "
+                             "(state=cached).", labels=["worker", "state"])
+    pool.add_metric(w + ["total"], float(hc["host_pool_tokens"]))
+    pool.add_metric(w + ["cached"], float(hc["host_cached_tokens"]))
+    return [eff, hits, pool]
 
 
 class FleetCollector:

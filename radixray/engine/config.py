@@ -59,6 +59,26 @@ class EngineConfig:
     disable_radix_cache: bool = option(False, "no prefix sharing between requests")
     radix_eviction_policy: str = option("lru", "which cached prefixes go first when the pool "
                                         "is full", choices=("lru", "lfu"))
+    enable_hierarchical_cache: bool = option(
+        False, "HiCache: keep cached prefixes evicted from the KV pool in a larger host tier "
+        "(and optionally a storage tier) and load them back on a hit instead of recomputing")
+    hicache_ratio: float = option(2.0, "with enable_hierarchical_cache: host tier size as a "
+                                  "multiple of the KV pool's tokens", gt=0.0)
+    hicache_size: float | None = option(None, "with enable_hierarchical_cache: host tier size "
+                                        "in GiB (overrides hicache_ratio)", gt=0.0)
+    hicache_write_policy: str = option(
+        "write_through", "when a cached prefix gets its host copy: write_through (when "
+        "cached), write_through_selective (once a second request uses it), write_back (when "
+        "the KV pool evicts it)",
+        choices=("write_through", "write_through_selective", "write_back"))
+    hicache_host_dtype: str = option(
+        "auto", "host tier layout: auto (the KV pool's dtype, lossless) or fp8_e4m3 (one byte "
+        "per element plus a scale per token, layer and K/V; lossy)", choices=("auto", "fp8_e4m3"))
+    hicache_storage_backend: str | None = option(
+        None, "with enable_hierarchical_cache: a third tier under the host tier, keyed by a "
+        "content hash of the prefix's token pages (file: hicache_storage_dir)",
+        choices=(None, "file", "mooncake"))
+    hicache_storage_dir: str | None = option(None, "the file storage backend's folder")
     attention_backend: str = option("auto", "auto, torch or cpu_paged (GPU backends register "
                                     "their own names)")
     cpu_kernels: bool = option(True, "fused C++ kernels for fp32 on CPU (torch ops otherwise)")
@@ -128,6 +148,14 @@ class EngineConfig:
         if self.enable_return_routed_experts and self.disaggregation_mode is not None:
             raise ValueError("enable_return_routed_experts with disaggregation_mode: the "
                              "prompt's routes stay on the prefill worker; turn one of them off")
+        if (self.hicache_storage_backend or self.hicache_size) and not self.enable_hierarchical_cache:
+            raise ValueError("hicache_storage_backend and hicache_size need "
+                             "enable_hierarchical_cache=true")
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            raise ValueError("enable_hierarchical_cache needs the radix cache "
+                             "(disable_radix_cache=false)")
+        if self.hicache_storage_backend == "file" and not self.hicache_storage_dir:
+            raise ValueError("hicache_storage_backend='file' needs hicache_storage_dir")
         if self.quantize_lm_head and self.quantization != "w8a8_int8":
             raise ValueError("quantize_lm_head needs quantization='w8a8_int8', got "
                              f"quantization={self.quantization!r}")

@@ -1,7 +1,8 @@
 """Always-on KV slot accounting, cheap enough for production.
 
 Every ``kv_audit_interval_steps`` scheduler steps :class:`KVAudit` compares free +
-request-held + cache-held slots with the pool's size, from counters and the holders'
+request-held + cache-held slots with the pool's size (and, with the hierarchical cache,
+free + cached host-tier slots with the host pool's), from counters and the holders'
 lengths (no walk of the tree, no tensor work). The signed difference is
 :attr:`KVAudit.leak`: 0 while every slot is accounted for, positive when slots went
 missing, negative when some are counted twice; it is exported as
@@ -39,6 +40,9 @@ class KVAudit:
         kv = scheduler.kv
         free, held, cached = kv.account(holders)
         leak = kv.pool_size - (free + held + cached)
+        host = kv.host_account()  # the hierarchical cache's host tier: free + cached == size
+        if host is not None:
+            leak += host[2] - host[0] - host[1]
         self.checks += 1
         if leak and leak != self.leak:
             cache = kv.cache
@@ -47,8 +51,9 @@ class KVAudit:
             logger.error(
                 "KV slot accounting is off by %d (pool %d != free %d + request-held %d + "
                 "cache-held %d). Requests: %s. Cache: %d evictable, %d protected, %d in "
-                "retired trees", leak, kv.pool_size, free, held, cached, owners,
-                cache.evictable_size(), cache.protected_size(), cache.retired_size())
+                "retired trees; host tier (free, cached, size): %s", leak, kv.pool_size, free,
+                held, cached, owners, cache.evictable_size(), cache.protected_size(),
+                cache.retired_size(), host)
         elif not leak and self.leak:
             logger.warning("KV slot accounting balances again")
         self.leak = leak

@@ -42,6 +42,11 @@ class KVManager:
         """Slots a new allocation can get: free now plus evictable cached prefixes."""
         return self.allocator.available_size() + self.cache.evictable_size()
 
+    def prepare_admission(self, waiting: list[Req]) -> None:
+        """Before a prefill batch is built: make cached prefixes of ``waiting`` requests that
+        live outside the device pool matchable (the hierarchical cache loads them back).
+        Never frees a locked slot. Nothing to do with a device-only cache."""
+
     def match(self, req: Req) -> MatchResult:
         """Cached prefix of the request's sequence, at most ``seq_len - 1`` tokens. Locks nothing."""
         return self.cache.match_prefix(req.all_ids[: req.seq_len - 1])
@@ -171,6 +176,14 @@ class KVManager:
         held = sum(r.owned_kv_len + r.kv_reserved for r in holders if r.req_row is not None)
         return self.allocator.available_size(), held, self.cache.total_size()
 
+    def host_account(self) -> tuple[int, int, int] | None:
+        """(free, cache-held, pool size) of a host KV tier, or None without one."""
+        return None
+
+    def tier_snapshot(self) -> dict | None:
+        """Counters of the tiers below the device pool (metrics), or None without them."""
+        return None
+
     def check_conservation(self, running: list[Req]) -> None:
         """Raise AssertionError unless free + request-held + cache-held == pool size."""
         free, held, cached = self.account(running)
@@ -178,3 +191,14 @@ class KVManager:
             raise AssertionError(
                 f"KV slots lost: free {free} + request-held {held} + cache-held {cached} "
                 f"!= pool size {self.pool_size}")
+
+
+def create_kv_manager(config, runner) -> KVManager:
+    """The KV manager an engine of ``config`` runs: the radix cache over the runner's pool,
+    with the hierarchical cache's host and storage tiers when enable_hierarchical_cache."""
+    cache = RadixCache(runner.allocator, disable=config.disable_radix_cache,
+                       eviction_policy=config.radix_eviction_policy)
+    if not config.enable_hierarchical_cache:
+        return KVManager(runner.allocator, runner.req_pool, cache)
+    from radixray.engine.hicache.manager import HiCacheKVManager
+    return HiCacheKVManager.create(config, runner, cache)

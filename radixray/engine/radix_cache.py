@@ -36,6 +36,7 @@ to its tree's root. A root holds no tokens and is never counted or evicted.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -107,6 +108,9 @@ class RadixCache:
         self._disabled = disable
         self.eviction_policy = eviction_policy
         self.version = 0
+        # Called with each leaf ``evict`` is about to free, while its slots still hold its
+        # KV (the hierarchical cache's write_back copies it to the host tier here).
+        self.on_evict: Callable[[TreeNode], None] | None = None
         self._reset_tree()
 
     @classmethod
@@ -201,6 +205,36 @@ class RadixCache:
             # children lookup fails (or the key is used up) and the loop ends.
         slots = torch.cat(pieces) if pieces else _empty_slots()
         return MatchResult(slots, node)
+
+    def walk(self, key: list[int]) -> list[tuple[TreeNode, int]]:
+        """The nodes along ``key``'s cached path with how many of each one's tokens match
+        (the last may match part of its edge). Changes nothing: no split, no access time,
+        no hit count (a lookup that is not a use)."""
+        if self._disabled:
+            return []
+        node, pos, path = self.root_node, 0, []
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None:
+                break
+            n = _common_prefix_len(child.key, key[pos:pos + len(child.key)])
+            path.append((child, n))
+            pos += n
+            if n < len(child.key):
+                break
+            node = child
+        return path
+
+    @staticmethod
+    def path_of(node: TreeNode) -> tuple[list[int], torch.Tensor]:
+        """Key and slots of the whole path from the root to ``node``."""
+        keys, slots = [], []
+        while node.parent is not None:
+            keys.append(node.key)
+            slots.append(node.slots)
+            node = node.parent
+        key = [t for k in reversed(keys) for t in k]
+        return key, torch.cat(slots[::-1]) if slots else _empty_slots()
 
     def insert(self, key: list[int], slots: torch.Tensor) -> int:
         """Cache ``key`` with KV ``slots`` (``len(slots) == len(key)``).
@@ -324,9 +358,10 @@ class RadixCache:
         """
         if self._disabled or num_tokens <= 0:
             return 0
-        return self._evict_tree(self.root_node, num_tokens)
+        return self._evict_tree(self.root_node, num_tokens, self.on_evict)
 
-    def _evict_tree(self, root: TreeNode, num_tokens: int) -> int:
+    def _evict_tree(self, root: TreeNode, num_tokens: int,
+                    on_evict: Callable[[TreeNode], None] | None = None) -> int:
         heap = []
         seq = 0  # tie-breaker so the heap never compares TreeNode objects
         for leaf in self._iter_nodes(root):
@@ -341,6 +376,8 @@ class RadixCache:
                 continue
             parent = node.parent
             freed += len(node)
+            if on_evict is not None:
+                on_evict(node)
             self._drop_leaf(node)
             if self._evictable_leaf(parent):
                 heapq.heappush(heap, (self._score(parent), seq, parent))

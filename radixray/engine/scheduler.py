@@ -29,11 +29,11 @@ from radixray.engine.ep_group import IDLE_POLL_S
 from radixray.engine.faults import BATCH_FAULT_STATUS, ENGINE_FAILED_STATUS, StepFaults, describe
 from radixray.engine.forward_batch import ForwardBatch
 from radixray.engine.kv_audit import KVAudit
-from radixray.engine.kv_manager import KVManager
+from radixray.engine.kv_manager import KVManager, create_kv_manager
 from radixray.engine.model_runner import ModelRunner
 from radixray.engine.policy import InBatchPrefixes, order_waiting
 from radixray.engine.preemption import preempt_for, retract_for_decode
-from radixray.engine.radix_cache import MatchResult, RadixCache
+from radixray.engine.radix_cache import MatchResult
 from radixray.engine.request import FinishReason, Req
 from radixray.engine.sampler import DETERMINISTIC_DEFAULT_SEED, Sampler
 from radixray.engine.scheduler_faults import SchedulerFaults
@@ -67,11 +67,7 @@ class Scheduler(SchedulerFaults):
         sampler."""
         self.config = config
         self.runner = runner
-        if kv is None:
-            cache = RadixCache(runner.allocator, disable=config.disable_radix_cache,
-                               eviction_policy=config.radix_eviction_policy)
-            kv = KVManager(runner.allocator, runner.req_pool, cache)
-        self.kv = kv
+        self.kv = kv if kv is not None else create_kv_manager(config, runner)
         self.sampler = sampler or Sampler(runner.vocab_size)
         self.stop_checker = stop_checker
         self.on_output = on_output
@@ -276,6 +272,7 @@ class Scheduler(SchedulerFaults):
         """Admit waiting requests (and continue a chunked one): (request, new tokens, their slots)."""
         if not self.waiting and self.chunked_req is None:
             return []
+        self.kv.prepare_admission(self.waiting)
         budget = PrefillBudget.start(self.kv.available_tokens(), self.running, self.ratio.value,
                                      self.config.max_prefill_tokens, self.config.chunk_size)
         in_batch = InBatchPrefixes(enabled=not self.kv.cache.disabled)

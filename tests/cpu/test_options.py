@@ -93,7 +93,9 @@ def _flag_value(f, kind):
 
 
 ENGINE = options.spec(EngineConfig)
-NEEDS = {"quantize_lm_head": ["--quantization", "w8a8_int8"]}  # checks that span options
+NEEDS = {"quantize_lm_head": ["--quantization", "w8a8_int8"],  # checks that span options
+         "hicache_size": ["--enable-hierarchical-cache"],
+         "hicache_storage_backend": ["--enable-hierarchical-cache"]}
 
 
 @pytest.mark.parametrize("f, kind", [(f, k) for f, k, _ in ENGINE], ids=[f.name for f, _, _ in ENGINE])
