@@ -44,7 +44,8 @@ def scheduler_snapshot(scheduler) -> WorkerLoad:
         failed_steps=scheduler.faults.total, engine_failed=scheduler.faults.failed is not None,
         paused=scheduler.paused, kv_slot_leak=scheduler.kv_audit.leak,
         pd=side_snapshot(scheduler.pd) if scheduler.pd is not None else None,
-        eplb=eplb.snapshot() if (eplb := getattr(scheduler.runner, "eplb", None)) else None)
+        eplb=eplb.snapshot() if (eplb := getattr(scheduler.runner, "eplb", None)) else None,
+        grammar=scheduler.grammar.snapshot())
 
 
 class WorkerMetrics:
@@ -184,7 +185,31 @@ class WorkerMetrics:
                                     labels=["worker"])
             c.add_metric(w, float(snapshot.eplb["rebalances"]))
             out += [g, c]
+        if snapshot.grammar is not None:
+            out += grammar_families(w, snapshot.grammar)
         return out
+
+
+def grammar_families(w: list[str], snap: dict) -> list[Metric]:
+    """Structured output's series from ``GrammarManager.snapshot()`` (labels ``w``)."""
+    g = GaugeMetricFamily(PREFIX + "num_grammar_queue_reqs", "Requests waiting for their "
+                          "grammar to compile (the grammar queue).", labels=["worker"])
+    g.add_metric(w, float(snap["queue"]))
+    out: list[Metric] = [g]
+    for name, key, doc in (
+            ("structured_output_requests", "requests", "Requests with a json_schema, regex "
+             "or ebnf constraint."),
+            ("grammar_compiles", "compiles", "Grammars compiled (cache misses), failed ones "
+             "included."),
+            ("grammar_compile_seconds", "compile_seconds", "Seconds spent compiling grammars "
+             "(over grammar_compiles: the mean compile time)."),
+            ("grammar_compile_failures", "compile_failures", "Grammars that did not compile."),
+            ("grammar_cache_hits", "cache_hits", "Constrained requests whose grammar was "
+             "already compiled or compiling.")):
+        c = CounterMetricFamily(PREFIX + name, doc, labels=["worker"])
+        c.add_metric(w, float(snap[key]))
+        out.append(c)
+    return out
 
 
 class FleetCollector:
