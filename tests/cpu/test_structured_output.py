@@ -10,9 +10,10 @@ import json
 import re
 import threading
 
-import jsonschema  # noqa: F401
+import httpx
+import jsonschema
 import pytest
-from serving_helpers import free_port, metric, served, tiny_config  # noqa: F401
+from serving_helpers import free_port, metric, served, tiny_config
 
 from radixray.engine.grammar.backend import GrammarBackend
 from radixray.engine.grammar.spec import GrammarSpec
@@ -189,3 +190,109 @@ def test_sampled_choices_each_follow_their_grammar_through_retraction(eng):
     for out in outs:
         assert re.fullmatch("(ab|cd){8,15}", out["text"]), out["text"]
         assert out["meta_info"]["num_retractions"] == 1
+
+
+# ---- served: the official openai client and native /generate ------------------------------
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    config = tiny_config(tiny_llama_dir, free_port())
+    config["engine"]["grammar_json_max_whitespace"] = 1
+    with served(config) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+    return OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+
+def _schema_format(i: int, schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema,
+                                                   "strict": True}}
+
+
+def test_twenty_schemas_through_the_openai_client(client):
+    finished = 0
+    for i, schema in enumerate(SCHEMAS):
+        got = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": f"give me json {i}"}],
+            max_tokens=160, temperature=0.7, seed=i, response_format=_schema_format(i, schema))
+        choice = got.choices[0]
+        if choice.finish_reason != "stop":
+            continue
+        finished += 1
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    assert finished >= 18
+
+
+def test_json_object_streaming_and_n_choices(client):
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "an object"}], max_tokens=200,
+        temperature=0.8, seed=5, n=3, stream=True,
+        response_format=_schema_format(0, SCHEMAS[4]))
+    texts, reasons = {}, {}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            reasons[c.index] = c.finish_reason or reasons.get(c.index)
+    assert sorted(texts) == [0, 1, 2]
+    assert len(set(texts.values())) > 1  # each choice has its own matcher and seed
+    for i, text in texts.items():
+        assert reasons[i] == "stop"
+        jsonschema.validate(json.loads(text), SCHEMAS[4])
+    got = client.completions.create(model="tiny", prompt="x", max_tokens=200, temperature=0,
+                                    extra_body={"response_format": {"type": "json_object"}})
+    if got.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(got.choices[0].text), dict)
+
+
+REGEXES = [r"[a-z]{3,6}", r"(yes|no), [0-9]{2}", r"\d{3}-\d{4}", r"(ab|ba)+c",
+           r"[A-Z][a-z]{1,5} [A-Z][a-z]{1,5}", r"#[0-9a-f]{6}"]
+EBNF = {  # grammar -> an equivalent regex to check the output with
+    'root ::= "yes" | "no"': "yes|no",
+    'root ::= digit digit ("." digit)?\ndigit ::= [0-9]': r"[0-9]{2}(\.[0-9])?",
+    'root ::= "(" item ("," item)* ")"\nitem ::= [a-c]': r"\([a-c](,[a-c])*\)",
+}
+
+
+def test_regex_and_ebnf_through_native_generate(server):
+    cases = [({"regex": r}, r) for r in REGEXES] + [({"ebnf": g}, r) for g, r in EBNF.items()]
+    for i, (constraint, pattern) in enumerate(cases):
+        r = httpx.post(f"{server}/generate", json={"text": f"prompt {i}", "sampling_params": {
+            "max_new_tokens": 48, "temperature": 1.0, "seed": i, **constraint}}, timeout=120)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        if out["meta_info"]["finish_reason"]["type"] == "stop":
+            assert re.fullmatch(pattern, out["text"]), (constraint, out["text"])
+        else:  # only an unbounded repetition may run out of tokens
+            assert "+" in pattern or "*" in pattern
+
+
+def test_stop_string_ends_a_constrained_request(server):
+    r = httpx.post(f"{server}/generate", json={"text": "x", "sampling_params": {
+        "max_new_tokens": 40, "temperature": 0, "regex": "(ab)+STOP(cd)+", "stop": "STOP"}},
+        timeout=120).json()
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": "STOP"}
+    assert re.fullmatch("(ab)+", r["text"])
+
+
+def test_bad_structured_output_is_a_400_naming_the_field(server, client):
+    import openai
+    with pytest.raises(openai.BadRequestError, match="json_schema: xgrammar cannot compile"):
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=8,
+            response_format=_schema_format(0, {"type": "object", "properties": 7}))
+    for sp, field in (({"regex": "(a"}, "regex"), ({"ebnf": "root ::= x"}, "ebnf"),
+                      ({"regex": "a", "json_schema": {"type": "string"}}, "json_schema")):
+        r = httpx.post(f"{server}/generate", json={"text": "x", "sampling_params": sp},
+                       timeout=60)
+        assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+
+
+def test_metrics_count_constrained_requests_and_compiles(server):
+    text = httpx.get(f"{server}/metrics", timeout=60).text
+    assert metric(text, "radixray:structured_output_requests_total") >= 20
+    assert metric(text, "radixray:grammar_compiles_total") >= 20
+    assert metric(text, "radixray:grammar_compile_seconds_total") > 0
+    assert metric(text, "radixray:num_grammar_queue_reqs") == 0
