@@ -288,6 +288,10 @@ def test_bad_structured_output_is_a_400_naming_the_field(server, client):
         r = httpx.post(f"{server}/generate", json={"text": "x", "sampling_params": sp},
                        timeout=60)
         assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+    # parses, compiles, and matches nothing: found once compiled (an error finish, 400)
+    r = httpx.post(f"{server}/generate", json={"text": "x", "sampling_params": {
+        "regex": r"[^\s\S]"}}, timeout=60)
+    assert r.status_code == 400 and "regex: the grammar matches no text" in r.text, r.text
 
 
 def test_metrics_count_constrained_requests_and_compiles(server):

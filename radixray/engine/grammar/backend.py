@@ -88,6 +88,7 @@ class GrammarBackend:
             if self.compile_hook is not None:
                 self.compile_hook(spec)
             compiled = self._compile(spec)
+            self._check_not_empty(spec, compiled)
         except ValueError as exc:
             self._done(t0, failed=True)
             fut.set_exception(exc)
@@ -105,6 +106,17 @@ class GrammarBackend:
             self.compiles += 1
             self.compile_seconds += seconds
             self.compile_failures += int(failed)
+
+    def _check_not_empty(self, spec: GrammarSpec, compiled) -> None:
+        """ValueError when the grammar allows no first token (a regex such as ``[^\\s\\S]``
+        parses but matches nothing): the request could only fail at its first step."""
+        import xgrammar as xgr
+        matcher = xgr.GrammarMatcher(compiled)
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask)
+        if not bool(bitmask.any()):
+            raise ValueError(f"{spec.field}: the grammar matches no text (no first token is "
+                             "allowed)")
 
     def _get_compiler(self):
         with self._lock:
