@@ -138,7 +138,7 @@ class Scheduler(SchedulerFaults):
                 else:
                     self.waiting.append(req)
         elif isinstance(item, GrammarWake):
-            self._take_compiled()
+            self.grammar.admit_compiled(self)
         elif isinstance(item, AbortCommand):
             self.abort(item.rid, "aborted by request")
         elif isinstance(item, CallInLoop):
@@ -150,16 +150,6 @@ class Scheduler(SchedulerFaults):
             self.pd.handlers[type(item)](item)
         else:
             raise TypeError(f"unknown scheduler command {item!r}")
-
-    def _take_compiled(self) -> None:
-        """Requests whose grammar compiled join the waiting queue; those whose grammar failed
-        finish with its error (status 400)."""
-        ready, failed = self.grammar.poll()
-        self.waiting.extend(ready)
-        for req, reason in failed:
-            self.finish(req, reason)
-        if failed:
-            self.on_output([req for req, _ in failed])
 
     @property
     def has_work(self) -> bool:
