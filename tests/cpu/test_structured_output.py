@@ -86,6 +86,30 @@ def test_a_grammar_that_fails_to_compile_is_cached_as_failed(backend):
     assert (backend.compiles, backend.compile_failures, backend.cache_hits) == (1, 1, 1)
 
 
+def test_a_matcher_out_of_step_with_the_output_is_rebuilt_over_it(backend):
+    from model_fixtures import byte_bpe_tokenizer
+
+    from radixray.engine.grammar.matcher import GrammarState
+    tok = byte_bpe_tokenizer()
+    state = GrammarState(backend.matcher, backend.compile(GrammarSpec("regex", "ab(cd)+")).result(60))
+    ids = tok.encode("abcd", add_special_tokens=False)
+    for t in ids:
+        assert state.accept(t) is None
+    state.sync(ids[:1])  # the output was rewritten to its first token: replay it
+    assert state.accepted == 1
+    rest = tok.encode("abcd", add_special_tokens=False)[1:]
+    assert all(state.accept(t) is None for t in rest)
+    assert state.accept(tok.eos_token_id).type == "stop"
+
+
+def test_engines_that_cannot_apply_grammars_refuse_constrained_requests():
+    from radixray.engine.inputs import Limits, build_requests
+    limits = Limits(400, 64, 256, no_structured_output="the engine runs with grammar_backend='none'")
+    with pytest.raises(ValueError, match="regex: structured output is not available here: .*none"):
+        build_requests(None, [1, 2], {"regex": "a+"}, None, limits)
+    build_requests(None, [1, 2], {}, None, limits)  # unconstrained requests still go
+
+
 # ---- in-process engine -------------------------------------------------------------------
 @pytest.mark.parametrize("params, field", [
     ({"regex": "[a-"}, "regex"),

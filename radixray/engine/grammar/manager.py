@@ -23,9 +23,6 @@ class GrammarWake:
     """Inbox item: a grammar compile finished; poll the grammar queue."""
 
 
-GRAMMAR_WAKE = GrammarWake()
-
-
 class GrammarManager:
     """Owned by the scheduler and used on its thread only (the backend is the thread-safe part)."""
 
