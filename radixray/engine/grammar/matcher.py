@@ -8,6 +8,8 @@ disagree (any path that rewrote the output), so the mask always follows the toke
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from radixray.engine.request import FinishReason
@@ -64,4 +66,14 @@ def apply_masks(logits: torch.Tensor, reqs: list, vocab_size: int) -> None:
         state.sync(reqs[i].output_ids)
         state.fill(bitmask, i)
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab_size,
-                                    indices=rows)
+                                    indices=rows, backend=mask_backend(logits.device))
+
+
+def mask_backend(device: torch.device) -> str:
+    """xgrammar's kernel for logits on ``device``: its C++ loop on the CPU, triton on CUDA
+    where triton is installed (the CPU install leaves it out), else plain torch."""
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    return "torch_native"
