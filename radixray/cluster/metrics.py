@@ -45,7 +45,8 @@ def scheduler_snapshot(scheduler) -> WorkerLoad:
         paused=scheduler.paused, kv_slot_leak=scheduler.kv_audit.leak,
         pd=side_snapshot(scheduler.pd) if scheduler.pd is not None else None,
         eplb=eplb.snapshot() if (eplb := getattr(scheduler.runner, "eplb", None)) else None,
-        hicache=scheduler.kv.tier_snapshot())
+        hicache=scheduler.kv.tier_snapshot(),
+        grammar=scheduler.grammar.snapshot())
 
 
 class WorkerMetrics:
@@ -179,6 +180,8 @@ class WorkerMetrics:
                                     labels=["worker"])
             c.add_metric(w, float(snapshot.eplb["rebalances"]))
             out += [g, c]
+        if snapshot.grammar is not None:
+            out += grammar_families(w, snapshot.grammar)
         return out
 
 
@@ -208,6 +211,26 @@ def hicache_families(w: list[str], snapshot: WorkerLoad) -> list[Metric]:
     pool.add_metric(w + ["total"], float(hc["host_pool_tokens"]))
     pool.add_metric(w + ["cached"], float(hc["host_cached_tokens"]))
     return [eff, hits, pool]
+def grammar_families(w: list[str], snap: dict) -> list[Metric]:
+    """Structured output's series from ``GrammarManager.snapshot()`` (labels ``w``)."""
+    g = GaugeMetricFamily(PREFIX + "num_grammar_queue_reqs", "Requests waiting for their "
+                          "grammar to compile (the grammar queue).", labels=["worker"])
+    g.add_metric(w, float(snap["queue"]))
+    out: list[Metric] = [g]
+    for name, key, doc in (
+            ("structured_output_requests", "requests", "Requests with a json_schema, regex "
+             "or ebnf constraint."),
+            ("grammar_compiles", "compiles", "Grammars compiled (cache misses), failed ones "
+             "included."),
+            ("grammar_compile_seconds", "compile_seconds", "Seconds spent compiling grammars "
+             "(over grammar_compiles: the mean compile time)."),
+            ("grammar_compile_failures", "compile_failures", "Grammars that did not compile."),
+            ("grammar_cache_hits", "cache_hits", "Constrained requests whose grammar was "
+             "already compiled or compiling.")):
+        c = CounterMetricFamily(PREFIX + name, doc, labels=["worker"])
+        c.add_metric(w, float(snap[key]))
+        out.append(c)
+    return out
 
 
 class FleetCollector:

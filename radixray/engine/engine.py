@@ -15,6 +15,7 @@ from radixray.engine.config import EngineConfig
 from radixray.engine.detokenizer import IncrementalDetokenizer
 from radixray.engine.eplb import ExpertBalancer, request_rebalance
 from radixray.engine.faults import ENGINE_FAILED_STATUS, EngineFailed, EngineHealth
+from radixray.engine.grammar.spec import no_structured_output
 from radixray.engine.inputs import Limits, build_requests
 from radixray.engine.loader import resolve_model
 from radixray.engine.memory_saver import MemorySaver
@@ -105,7 +106,8 @@ class Engine:
         stop_checker = StopChecker(self.tokenizer, eos_token_ids(self.tokenizer, source.config))
         self.scheduler = Scheduler(self.config, self.runner, stop_checker, self._on_output)
         self.limits = Limits(self.runner.vocab_size, self.runner.context_len,
-                             self.runner.max_total_tokens, moe=self.runner.routes_experts)
+                             self.runner.max_total_tokens, moe=self.runner.routes_experts,
+                             no_structured_output=no_structured_output(self.config))
         self._subs: dict[str, _Subscriber] = {}
         self._lock = threading.Lock()
         self._stopping = False

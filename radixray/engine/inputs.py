@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from radixray.engine.grammar.spec import spec_of
 from radixray.engine.request import Req
 from radixray.engine.sampling import SamplingParams
 
@@ -19,6 +20,8 @@ class Limits:
     context_len: int
     max_total_tokens: int
     moe: bool = False  # the model routes tokens to experts (return_routed_experts allowed)
+    # why this engine refuses structured output (json_schema, regex, ebnf); None: it takes it
+    no_structured_output: str | None = None
 
 
 def normalize_prompts(prompt, input_ids) -> tuple[list, bool]:
@@ -86,6 +89,9 @@ def build_requests(prompt, input_ids, sampling_params, tokenizer, limits: Limits
         if p.return_routed_experts and not limits.moe:
             raise ValueError("return_routed_experts needs a mixture-of-experts model; this "
                              "model has no routed experts")
+        if limits.no_structured_output and spec_of(p) is not None:
+            raise ValueError(f"{spec_of(p).field}: structured output is not available here: "
+                             f"{limits.no_structured_output}")
     rids = _per_prompt(rid, n, "rid")
     given = [r for r in rids if r is not None]
     if len(set(given)) != len(given):

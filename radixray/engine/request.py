@@ -95,6 +95,8 @@ class Req:
     # disaggregation: the bootstrap room and the pair's other worker (PDBootstrap) while the
     # request is one half of a prefill-decode pair; None otherwise
     pd: object | None = None
+    # structured output: the grammar state (engine/grammar/matcher.py) once compiled
+    grammar: object | None = None
 
     def commit_kv(self, n: int) -> None:
         """The step's forward pass wrote KV for the next ``n`` (reserved) tokens."""

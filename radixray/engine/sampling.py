@@ -8,6 +8,7 @@ must be finite; values that are legal here but not representable in float32
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields
 
@@ -43,6 +44,11 @@ class SamplingParams:
     # MoE models: report the experts each computed token was routed to (meta_info
     # routed_experts; which tokens: engine/routed_experts.py)
     return_routed_experts: bool = False
+    # Structured output: at most one constraint (engine/grammar/); a JSON schema may be
+    # given as a dict and is kept as its JSON text
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
@@ -58,6 +64,8 @@ class SamplingParams:
             d.pop("stop", None)
         if d.get("stop_token_ids") is None:
             d.pop("stop_token_ids", None)
+        if isinstance(d.get("json_schema"), dict):
+            d["json_schema"] = json.dumps(d["json_schema"])
         return cls(**d)
 
     @property
@@ -108,6 +116,9 @@ class SamplingParams:
         _check_int("top_logprobs_num", self.top_logprobs_num, lo=0)
         if vocab_size is not None and self.top_logprobs_num > vocab_size:
             raise ValueError(f"top_logprobs_num must be <= vocab size {vocab_size}, got {self.top_logprobs_num}")
+        if self.json_schema is not None or self.regex is not None or self.ebnf is not None:
+            from radixray.engine.grammar.spec import check_syntax
+            check_syntax(self)  # one constraint, and one xgrammar parses
 
 
 def _check_int(name: str, value, lo: int) -> None:

@@ -28,6 +28,8 @@ from radixray.engine.config import EngineConfig
 from radixray.engine.ep_group import IDLE_POLL_S
 from radixray.engine.faults import BATCH_FAULT_STATUS, ENGINE_FAILED_STATUS, StepFaults, describe
 from radixray.engine.forward_batch import ForwardBatch
+from radixray.engine.grammar.manager import GrammarManager, GrammarWake
+from radixray.engine.grammar.matcher import apply_masks
 from radixray.engine.kv_audit import KVAudit
 from radixray.engine.kv_manager import KVManager, create_kv_manager
 from radixray.engine.model_runner import ModelRunner
@@ -93,6 +95,9 @@ class Scheduler(SchedulerFaults):
         # This engine's expert-parallel group (engine/ep_group.py): its ranks step together.
         self.ep = getattr(runner, "ep", None)
         self._forwarded = False  # whether the step in flight ran a forward pass
+        # structured output: requests wait here until their grammar compiles (engine/grammar/)
+        self.grammar = GrammarManager.create(config, stop_checker, runner.vocab_size,
+                                             lambda: self.inbox.put(GrammarWake()))
 
     # ---- ingest --------------------------------------------------------------------
     def submit(self, item) -> None:
@@ -122,10 +127,14 @@ class Scheduler(SchedulerFaults):
                     seed = DETERMINISTIC_DEFAULT_SEED
                 if seed is not None:
                     req.generator = torch.Generator(self.runner.device).manual_seed(seed)
+                if self.grammar.hold(req):
+                    continue
                 if req.pd is not None and self.pd is not None:
                     self.pd.add(req)
                 else:
                     self.waiting.append(req)
+        elif isinstance(item, GrammarWake):
+            self.grammar.admit_compiled(self)
         elif isinstance(item, AbortCommand):
             self.abort(item.rid, "aborted by request")
         elif isinstance(item, CallInLoop):
@@ -194,9 +203,10 @@ class Scheduler(SchedulerFaults):
     def run_until_idle(self) -> None:
         """Drain the inbox and step until no request is left (in-process use and tests)."""
         self._ingest()
-        while self.has_work:
-            self.step()
-            self._ingest()
+        while self.has_work or (self.paused is None and self.grammar.queue):
+            if self.has_work:
+                self.step()
+            self._ingest(block_s=0.0 if self.has_work else 0.05)  # a grammar may be compiling
 
     # ---- one step ------------------------------------------------------------------
     def step(self) -> None:
@@ -254,6 +264,7 @@ class Scheduler(SchedulerFaults):
         """Every unfinished request the scheduler holds (queued, prefilling, running, and
         those of a disaggregated side's rooms)."""
         reqs = self.waiting + self.running + ([self.chunked_req] if self.chunked_req else [])
+        reqs = reqs + self.grammar.reqs
         if self.pd is not None:
             reqs = reqs + [r for r in self.pd.unfinished() if r not in reqs]
         return reqs
@@ -423,6 +434,7 @@ class Scheduler(SchedulerFaults):
             keep = [i for i, r in enumerate(reqs) if not r.finished]
             logits, reqs = logits[keep], [reqs[i] for i in keep]
         if reqs:
+            apply_masks(logits, reqs, self.runner.vocab_size)
             out = self.sampler.sample(logits, [r.sampling for r in reqs],
                                       [r.generator for r in reqs], [r.output_ids for r in reqs])
             errors = out.errors or {}
@@ -444,7 +456,8 @@ class Scheduler(SchedulerFaults):
                     self.kv.cache_unfinished(req)
                     self.pd.prefilled(req)
                     continue
-                reason = self.stop_checker.check(req, self.runner.context_len)
+                reason = req.grammar.accept(token) if req.grammar is not None else None
+                reason = reason or self.stop_checker.check(req, self.runner.context_len)
                 if reason is not None:
                     self.finish(req, reason)
                 elif prefill:
@@ -483,6 +496,11 @@ class Scheduler(SchedulerFaults):
     def abort(self, rid: str, message: str) -> bool:
         """Abort a waiting, prefilling or running request; its KV returns to the pool or cache."""
         if self.pd is not None and self.pd.abort(rid, message):
+            return True
+        queued = self.grammar.remove(rid)
+        if queued is not None:
+            self.finish(queued, FinishReason("abort", message=message))
+            self.on_output([queued])
             return True
         for group in (self.waiting, self.running):
             for req in group:

@@ -12,7 +12,8 @@ doubling, between attempts:
   request's first token.
 
 A request whose batch hit a fault (status 500) is not retried: it may be the
-cause, and another worker would fail the same way.
+cause, and another worker would fail the same way. Nor is one refused for its own input
+once running (status 4xx: a grammar that did not compile), which is no fault of the worker.
 
 A request that already streamed tokens is never retried: its stream ends with
 an ``error`` update (an error event for SSE clients). Every pick is paired with
@@ -46,17 +47,24 @@ def ids_route_text(ids: list[int]) -> str:
     return "".join(map(chr, ids))
 
 
+def client_error(update: RequestUpdate) -> bool:
+    """An error of the request's own input, found once it ran (status 4xx: a grammar that
+    did not compile): never retried, and no fault of the worker."""
+    return update.error is not None and update.status is not None and update.status < 500
+
+
 def fails_before_first_token(update: RequestUpdate, started: bool) -> bool:
-    """An error before any token, not of the request's own batch (status 500): the worker
-    or its engine went away, so the request may be placed again."""
-    return update.error is not None and not started and update.status != BATCH_FAULT_STATUS
+    """An error before any token, not of the request's own batch (status 500) nor of its
+    input (4xx): the worker or its engine went away, so the request may be placed again."""
+    return update.error is not None and not started and update.status != BATCH_FAULT_STATUS \
+        and not client_error(update)
 
 
 def outcome_of(update: RequestUpdate, worker: str, outcome: bool | None) -> bool | None:
     """The request's outcome for the router's circuit breaker after ``update`` (which
     gets ``worker`` in its meta when it is the last)."""
     if update.error is not None:
-        return False
+        return None if client_error(update) else False
     if update.meta is not None:
         update.meta.worker_id = worker
         return True

@@ -104,8 +104,10 @@ class Choice:
 
     def api_error(self) -> ApiError:
         """The error of a failed choice: a 503 when its worker or engine went down (retry
-        later), a 500 when its batch failed."""
-        kind = "service_unavailable" if self.error_status == 503 else "server_error"
+        later), a 500 when its batch failed, a 400 when its input was refused once running
+        (a grammar that did not compile)."""
+        kind = {503: "service_unavailable", 400: "invalid_request_error"}.get(
+            self.error_status, "server_error")
         return ApiError(self.error_status, self.error, type=kind)
 
 

@@ -6,11 +6,13 @@ with an OpenAI-style error object; see ``radixray.cluster.errors_http``.
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from radixray.cluster.routing import PolicyName
+from radixray.engine.grammar.spec import JSON_OBJECT_SCHEMA
 
 PauseMode = Literal["abort", "retract", "in_place"]
 MemoryTag = Literal["kv_cache", "weights"]
@@ -18,6 +20,36 @@ MemoryTag = Literal["kv_cache", "weights"]
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the schema output must satisfy. ``strict`` is taken
+    either way: the grammar always enforces the schema (xgrammar's strict mode)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI ``response_format``: text (no constraint), any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> str | None:
+        """The engine's ``json_schema`` for this format (None for text); ValueError when a
+        json_schema format has no schema."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return JSON_OBJECT_SCHEMA
+        if self.json_schema is None:
+            raise ValueError("response_format.json_schema is required when type is json_schema")
+        return json.dumps(self.json_schema.schema_)
 
 
 class SamplingFields(BaseModel):
@@ -43,6 +75,7 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
 
     def sampling_params(self, max_tokens: int, choice: int = 0) -> dict:
         """Engine sampling params for choice ``choice`` (seeds differ per choice when n > 1)."""
@@ -58,6 +91,8 @@ class SamplingFields(BaseModel):
             sp["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if self.seed is not None:
             sp["seed"] = self.seed + choice
+        if self.response_format is not None and (schema := self.response_format.constraint()):
+            sp["json_schema"] = schema
         return sp
 
     @property

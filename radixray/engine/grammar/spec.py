@@ -1,0 +1,90 @@
+"""What a request constrains its output to, and the cheap syntax check done before scheduling.
+
+A request carries at most one constraint in its sampling params: ``json_schema``, ``regex``
+or ``ebnf`` (the OpenAI ``response_format`` maps onto ``json_schema``). :class:`GrammarSpec`
+is that constraint as a hashable key (kind, text) for the compiled-grammar cache.
+
+:func:`check_syntax` parses the constraint without a tokenizer (xgrammar's ``Grammar``), so
+a schema, regex or EBNF that xgrammar rejects is a ``ValueError`` naming the field on the
+caller's thread, before anything is scheduled. xgrammar is imported lazily: requests
+without a constraint never load it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+KINDS = ("json_schema", "regex", "ebnf")
+# What response_format {"type": "json_object"} asks for: any JSON object.
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " and may carry a
+# "Check failed: (...) is false: " clause; neither helps a client.
+_CPP_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s*\S+:\d+:\s*")
+_CHECK_FAILED = re.compile(r"Check failed: \(.*?\) is false:\s*")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """One constraint: ``kind`` in :data:`KINDS` and its text (a JSON schema as a string)."""
+
+    kind: str
+    text: str
+
+    @property
+    def field(self) -> str:
+        """The sampling-params field the constraint came from (for error messages)."""
+        return self.kind
+
+
+def spec_of(params) -> GrammarSpec | None:
+    """The constraint of ``params`` (a SamplingParams), None when it has none. ValueError
+    naming the fields when more than one is set: a request takes exactly one."""
+    given = [k for k in KINDS if getattr(params, k, None) is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ValueError(f"give at most one structured-output constraint; got {given} "
+                         f"(json_schema, regex and ebnf are exclusive)")
+    kind = given[0]
+    text = getattr(params, kind)
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"{kind} must be a non-empty string, got {text!r}")
+    return GrammarSpec(kind, text)
+
+
+def clean_error(exc: BaseException) -> str:
+    """xgrammar's error text without its C++ source location."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return _CHECK_FAILED.sub("", _CPP_PREFIX.sub("", text)).strip()
+
+
+def parse(spec: GrammarSpec):
+    """The xgrammar ``Grammar`` of ``spec`` (no tokenizer needed); ValueError naming the field
+    and xgrammar's reason when it does not parse."""
+    import xgrammar as xgr
+    build = {"json_schema": xgr.Grammar.from_json_schema, "regex": xgr.Grammar.from_regex,
+             "ebnf": xgr.Grammar.from_ebnf}[spec.kind]
+    try:
+        return build(spec.text)
+    except Exception as exc:  # xgrammar raises RuntimeError (and others) for bad input
+        raise ValueError(f"{spec.field}: xgrammar cannot compile it: {clean_error(exc)}") from None
+
+
+def check_syntax(params) -> GrammarSpec | None:
+    """Validate the constraint of ``params`` (see :func:`spec_of` and :func:`parse`); return it."""
+    spec = spec_of(params)
+    if spec is not None:
+        parse(spec)
+    return spec
+
+
+def no_structured_output(config) -> str | None:
+    """Why an engine with ``config`` (EngineConfig) refuses constrained requests; None if it
+    takes them."""
+    if config.grammar_backend == "none":
+        return "the engine runs with grammar_backend='none'"
+    if config.disaggregation_mode is not None:
+        return (f"a {config.disaggregation_mode} worker of a prefill-decode pair does not "
+                "apply grammars (serve structured output from unified workers)")
+    return None
