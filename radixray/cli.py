@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         kernels,
         kv_transfer,
         naive_server,
+        overlap,
         quant_quality,
         serve_client,
         vs_hf,
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     cache_experiment.add_parser(bench_sub)
     naive_server.add_parser(bench_sub)
     quant_quality.add_parser(bench_sub)
+    overlap.add_parser(bench_sub)
     vs_hf.add_parser(bench_sub)
     weight_update.add_parser(bench_sub)
     expert_parallel.add_parser(bench_sub)

@@ -125,6 +125,9 @@ class EngineConfig:
         "when asked, Engine.rebalance_experts)", ge=0)
     eplb_window_size: int = option(1000, "with enable_eplb: the forward passes whose expert "
                                    "load a rebalance plans for (a sliding window)", ge=1)
+    enable_overlap_schedule: bool = option(
+        False, "run each decode step's forward pass in a forward thread while the scheduler "
+        "takes in the step before (engine/overlap.py); identical tokens")
     enable_return_routed_experts: bool = option(
         False, "MoE models: keep the routers' choices of every token in the KV pool, so "
         "return_routed_experts covers a request's whole sequence, cached prefix included")

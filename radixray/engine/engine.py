@@ -136,6 +136,9 @@ class Engine:
         except BaseException as exc:  # noqa: BLE001 - run_forever contains Exceptions; the rest
             logger.exception("scheduler thread died")  # ends the thread (logged once, here)
             self.scheduler.fail_engine(f"the scheduler thread died: {type(exc).__name__}: {exc}")
+        finally:
+            if self.scheduler.overlap is not None:
+                self.scheduler.overlap.close()
 
     def _on_failed(self, reason: str) -> None:
         """Scheduler thread: the engine failed; tell every listener (see :meth:`on_failure`)."""

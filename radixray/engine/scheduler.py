@@ -33,6 +33,7 @@ from radixray.engine.grammar.matcher import apply_masks
 from radixray.engine.kv_audit import KVAudit
 from radixray.engine.kv_manager import KVManager, create_kv_manager
 from radixray.engine.model_runner import ModelRunner
+from radixray.engine.overlap import OverlapDecoder
 from radixray.engine.policy import InBatchPrefixes, order_waiting
 from radixray.engine.preemption import preempt_for, retract_for_decode
 from radixray.engine.radix_cache import MatchResult
@@ -98,6 +99,7 @@ class Scheduler(SchedulerFaults):
         # structured output: requests wait here until their grammar compiles (engine/grammar/)
         self.grammar = GrammarManager.create(config, stop_checker, runner.vocab_size,
                                              lambda: self.inbox.put(GrammarWake()))
+        self.overlap = OverlapDecoder.create(config, self)  # engine/overlap.py, or None
 
     # ---- ingest --------------------------------------------------------------------
     def submit(self, item) -> None:
@@ -117,6 +119,8 @@ class Scheduler(SchedulerFaults):
                 return
 
     def _handle(self, item) -> None:
+        if self.overlap is not None and not isinstance(item, list):
+            self.overlap.drain()  # commands see no step in flight
         if isinstance(item, list):
             if self.faults.failed is not None:
                 self._fail(item, f"the engine failed: {self.faults.failed}", ENGINE_FAILED_STATUS)
@@ -150,7 +154,8 @@ class Scheduler(SchedulerFaults):
     @property
     def has_work(self) -> bool:
         """Something to step on (never while paused: see engine/pause.py)."""
-        return self.paused is None and bool(self.waiting or self.running or self.chunked_req)
+        return (self.paused is None and bool(self.waiting or self.running or self.chunked_req)
+                or (self.overlap is not None and self.overlap.busy))
 
     def run_forever(self, stop: Callable[[], bool]) -> None:
         """Loop until ``stop()`` is true, sleeping on the inbox when idle. Returns only then:
@@ -215,13 +220,14 @@ class Scheduler(SchedulerFaults):
         self._batch = []
         self._forwarded = False
         try:
-            items = self._build_prefill()
-            if items:
-                self._run_prefill(items)
-            elif self.running:
-                # A named range for profilers (bench offline); free when no profiler runs.
-                with torch.profiler.record_function("decode_step"):
-                    self._run_decode()
+            if self.overlap is None or not self.overlap.step():
+                items = self._build_prefill()
+                if items:
+                    self._run_prefill(items)
+                elif self.running:
+                    # A named range for profilers (bench offline); free when no profiler runs.
+                    with torch.profiler.record_function("decode_step"):
+                        self._run_decode()
             if self.config.check_kv_conservation:
                 self.check_kv_conservation()
         except Exception as exc:  # noqa: BLE001 - one batch's fault must not stop the engine
@@ -255,6 +261,8 @@ class Scheduler(SchedulerFaults):
     def kv_holders(self) -> list[Req]:
         """Every request that may hold KV slots now."""
         holders = self.running + ([self.chunked_req] if self.chunked_req else [])
+        if self.overlap is not None:
+            holders = holders + self.overlap.holders()
         return holders + self.pd.holders() if self.pd is not None else holders
 
     def check_kv_conservation(self) -> None:
@@ -411,6 +419,10 @@ class Scheduler(SchedulerFaults):
         for r in reqs:
             r.commit_kv(1)
         self._sample_and_process(logits, list(reqs), prefill=False)
+        self.log_decode_interval()
+
+    def log_decode_interval(self) -> None:
+        """Every ``decode_log_interval`` decode steps: the decode log line."""
         if self.stats.decode_steps % self.config.decode_log_interval == 0:
             used, usage = self.token_usage()
             self.stats.gen_throughput = self.stats.take_gen_throughput()
@@ -437,39 +449,44 @@ class Scheduler(SchedulerFaults):
             apply_masks(logits, reqs, self.runner.vocab_size)
             out = self.sampler.sample(logits, [r.sampling for r in reqs],
                                       [r.generator for r in reqs], [r.output_ids for r in reqs])
-            errors = out.errors or {}
-            for i, (req, token) in enumerate(zip(reqs, out.token_ids)):
-                if i in errors:
-                    logger.warning("request %s failed: %s", req.rid, errors[i])
-                    self.finish(req, FinishReason("error", message=errors[i],
-                                                   status=BATCH_FAULT_STATUS))
-                    continue
-                req.output_ids.append(token)
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                if out.logprobs is not None and req.sampling.return_logprob:
-                    req.output_logprobs.append(out.logprobs[i])
-                    if out.top_logprobs is not None:
-                        req.output_top_logprobs.append(out.top_logprobs[i])
-                if prefill and req.pd is not None and self.pd is not None:
-                    # Prefill half of a pair: the decode worker checks stops and decodes.
-                    self.kv.cache_unfinished(req)
-                    self.pd.prefilled(req)
-                    continue
-                reason = req.grammar.accept(token) if req.grammar is not None else None
-                reason = reason or self.stop_checker.check(req, self.runner.context_len)
-                if reason is not None:
-                    self.finish(req, reason)
-                elif prefill:
-                    # Share the prompt's KV through the tree now, not when the request
-                    # ends, so requests arriving meanwhile with the same prefix hit it.
-                    self.kv.cache_unfinished(req)
-                    self.running.append(req)
-            self.stats.generation_tokens += len(reqs) - len(errors)
+            self._process_sampled(out, reqs, prefill, now)
         if not prefill:
             self.running = [r for r in self.running if not r.finished]
         self.max_running_seen = max(self.max_running_seen, len(self.running))
         self.on_output(zero_budget + reqs)
+
+    def _process_sampled(self, out, reqs: list[Req], prefill: bool, now: float) -> None:
+        """Give each request its sampled token (``out``: the Sampler's output, row ``i`` for
+        ``reqs[i]``), then finish it at a stop, or (prefill) start it decoding."""
+        errors = out.errors or {}
+        for i, (req, token) in enumerate(zip(reqs, out.token_ids)):
+            if i in errors:
+                logger.warning("request %s failed: %s", req.rid, errors[i])
+                self.finish(req, FinishReason("error", message=errors[i],
+                                               status=BATCH_FAULT_STATUS))
+                continue
+            req.output_ids.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if out.logprobs is not None and req.sampling.return_logprob:
+                req.output_logprobs.append(out.logprobs[i])
+                if out.top_logprobs is not None:
+                    req.output_top_logprobs.append(out.top_logprobs[i])
+            if prefill and req.pd is not None and self.pd is not None:
+                # Prefill half of a pair: the decode worker checks stops and decodes.
+                self.kv.cache_unfinished(req)
+                self.pd.prefilled(req)
+                continue
+            reason = req.grammar.accept(token) if req.grammar is not None else None
+            reason = reason or self.stop_checker.check(req, self.runner.context_len)
+            if reason is not None:
+                self.finish(req, reason)
+            elif prefill:
+                # Share the prompt's KV through the tree now, not when the request
+                # ends, so requests arriving meanwhile with the same prefix hit it.
+                self.kv.cache_unfinished(req)
+                self.running.append(req)
+        self.stats.generation_tokens += len(reqs) - len(errors)
 
     def finish(self, req: Req, reason: FinishReason, release: bool = True) -> None:
         """End ``req`` with ``reason``; its KV returns to the pool or cache unless
@@ -479,7 +496,10 @@ class Scheduler(SchedulerFaults):
         req.finish_time = time.perf_counter()
         if release:
             self.runner.collect_routes(req)
-            self.kv.release(req)
+            if self.overlap is not None and self.overlap.holds(req):
+                self.overlap.defer_release(req)  # a step in flight still writes its KV
+            else:
+                self.kv.release(req)
         if reason.type == "abort":
             self.stats.num_aborted_reqs += 1
         self.stats.num_finished_reqs += 1
