@@ -82,6 +82,7 @@ class WorkerLoad:
     kv_slot_leak: int = 0  # the last KV accounting audit's difference (engine/kv_audit.py)
     pd: dict | None = None  # prefill/decode: queues, failures, finished transfers (pd_metrics)
     eplb: dict | None = None  # with enable_eplb: ExpertBalancer.snapshot() (engine/eplb.py)
+    spec: dict | None = None  # with speculative_algorithm: SpecStats.snapshot() (engine/speculative/)
 
     def as_json(self) -> dict:
         return asdict(self)

@@ -95,6 +95,10 @@ class Req:
     # disaggregation: the bootstrap room and the pair's other worker (PDBootstrap) while the
     # request is one half of a prefill-decode pair; None otherwise
     pd: object | None = None
+    # speculative decoding: verify forwards this request took part in with a draft, and
+    # the tokens those committed (accepted drafts plus the target's own token)
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
 
     def commit_kv(self, n: int) -> None:
         """The step's forward pass wrote KV for the next ``n`` (reserved) tokens."""

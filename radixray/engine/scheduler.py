@@ -37,6 +37,7 @@ from radixray.engine.radix_cache import MatchResult, RadixCache
 from radixray.engine.request import FinishReason, Req
 from radixray.engine.sampler import DETERMINISTIC_DEFAULT_SEED, Sampler
 from radixray.engine.scheduler_faults import SchedulerFaults
+from radixray.engine.speculative.worker import create_speculator
 from radixray.engine.stats import SchedulerStats, log_decode, log_prefill
 from radixray.engine.stop import StopChecker
 
@@ -97,6 +98,7 @@ class Scheduler(SchedulerFaults):
         # This engine's expert-parallel group (engine/ep_group.py): its ranks step together.
         self.ep = getattr(runner, "ep", None)
         self._forwarded = False  # whether the step in flight ran a forward pass
+        self.spec = create_speculator(config, runner)  # engine/speculative/, or None
 
     # ---- ingest --------------------------------------------------------------------
     def submit(self, item) -> None:
@@ -393,6 +395,8 @@ class Scheduler(SchedulerFaults):
             self.ratio.step()
         reqs = self.running
         self._batch = list(reqs)
+        if self.spec is not None and self.spec.decode_step(self, reqs):
+            return
         slots = self.kv.extend_decode(reqs)
         batch: ForwardBatch = self.runner.build_decode_batch(reqs, slots)
         self.faults.before_forward()
