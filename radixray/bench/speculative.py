@@ -5,12 +5,16 @@ side in one process, alternating runs, on two workloads:
 
 - **repetitive**: a passage followed by an instruction to repeat it and its first words,
   so the answer copies text the prompt already holds (code edits, RAG answers);
-- **random**: prompts of random token ids, whose continuations rarely repeat.
+- **random**: prompts of random token ids, answered greedily (a small model's greedy
+  continuation of noise often falls into loops, which drafts then predict);
+- **random_t1**: the same prompts sampled at temperature 1 (seeded), whose continuations
+  rarely repeat: what speculation costs when its drafts fail.
 
 Each run sends ``--prompts`` greedy requests ``--batch`` at a time and measures decode
 tokens/s: tokens after the first over the time after the first token, summed over the
 requests. The median over ``--repeats`` runs is reported with the accept length (tokens
-committed per request per verify forward) and whether greedy outputs were identical.
+committed per request per verify forward) and, for the greedy workloads, how many outputs
+were identical.
 """
 
 from __future__ import annotations
@@ -44,13 +48,16 @@ def random_prompts(vocab: int, n: int, length: int = 64, seed: int = 0) -> list[
     return [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def measure(engine, prompts: list[list[int]], batch: int, max_new_tokens: int) -> dict:
-    """One run: decode tokens/s over ``prompts`` sent ``batch`` at a time; outputs kept."""
-    params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+def measure(engine, prompts: list[list[int]], batch: int, max_new_tokens: int,
+            temperature: float = 0.0) -> dict:
+    """One run: decode tokens/s over ``prompts`` sent ``batch`` at a time; outputs kept.
+    Sampled runs seed each request by its index."""
+    params = [{"temperature": temperature, "max_new_tokens": max_new_tokens, "ignore_eos": True,
+               **({"seed": i} if temperature > 0 else {})} for i in range(len(prompts))]
     tokens, seconds, outputs, verify, committed = 0, 0.0, [], 0, 0.0
     for start in range(0, len(prompts), batch):
         group = prompts[start:start + batch]
-        results = engine.generate(input_ids=group, sampling_params=params)
+        results = engine.generate(input_ids=group, sampling_params=params[start:start + batch])
         decode_s = max(r["meta_info"]["e2e_latency"] - r["meta_info"]["first_token_latency"]
                        for r in results)
         tokens += sum(len(r["output_ids"]) - 1 for r in results)
@@ -73,14 +80,16 @@ def run(args) -> dict:
             **common, speculative_algorithm="NGRAM",
             speculative_num_draft_tokens=args.num_draft_tokens) as spec:
         tok = plain.tokenizer
-        workloads = {
-            "repetitive": repetitive_prompts(lambda s: tok.encode(s), args.prompts),
-            "random": random_prompts(plain.runner.vocab_size, args.prompts),
+        noise = random_prompts(plain.runner.vocab_size, args.prompts)
+        workloads = {  # name -> (prompts, temperature)
+            "repetitive": (repetitive_prompts(lambda s: tok.encode(s), args.prompts), 0.0),
+            "random": (noise, 0.0),
+            "random_t1": (noise, 1.0),
         }
         report = {"model": args.model, "batch": args.batch, "prompts": args.prompts,
                   "max_new_tokens": args.max_new_tokens,
                   "num_draft_tokens": args.num_draft_tokens, "workloads": {}}
-        for name, prompts in workloads.items():
+        for name, (prompts, temperature) in workloads.items():
             measure(plain, prompts[:1], 1, 8)  # warm both engines' paths
             measure(spec, prompts[:1], 1, 8)
             runs = {"off": [], "on": []}
@@ -88,13 +97,14 @@ def run(args) -> dict:
             for _ in range(args.repeats):
                 for mode, eng in (("off", plain), ("on", spec)):
                     eng.flush_cache()
-                    m = measure(eng, prompts, args.batch, args.max_new_tokens)
+                    m = measure(eng, prompts, args.batch, args.max_new_tokens, temperature)
                     runs[mode].append(m["decode_tok_s"])
                     outs[mode] = m["outputs"]
                     if mode == "on":
                         accept.append(m["accept_length"] or 1.0)
             off, on = statistics.median(runs["off"]), statistics.median(runs["on"])
-            same = sum(a == b for a, b in zip(outs["off"], outs["on"]))
+            same = (sum(a == b for a, b in zip(outs["off"], outs["on"]))
+                    if temperature == 0 else None)
             report["workloads"][name] = {
                 "decode_tok_s_off": off, "decode_tok_s_on": on, "speedup": on / off,
                 "accept_length": statistics.median(accept), "identical_outputs": same,
@@ -111,7 +121,8 @@ def run_cli(args) -> int:
     for name, w in report["workloads"].items():
         print(f"{name:<11} {w['decode_tok_s_off']:>10.1f} {w['decode_tok_s_on']:>12.1f} "
               f"{w['speedup']:>7.2f}x {w['accept_length']:>10.2f} "
-              f"{w['identical_outputs']:>4}/{args.prompts}")
+              f"{'-' if w['identical_outputs'] is None else w['identical_outputs']:>4}"
+              f"/{args.prompts}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(report, f, indent=1)
