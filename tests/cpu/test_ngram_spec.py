@@ -3,6 +3,8 @@ and to Hugging Face, accept length on repetitive text, exact rejection sampling,
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from model_fixtures import assert_greedy_equal, hf_greedy, random_prompts
@@ -20,8 +22,8 @@ REPETITIVE = [47, 44, 185] * 6
 
 def _engine(model_dir, **kw):
     from radixray import Engine
-    return Engine(model=model_dir, dtype="float32", max_total_tokens=8192,
-                  check_kv_conservation=True, **kw)
+    return Engine(**{"model": model_dir, "dtype": "float32", "max_total_tokens": 8192,
+                     "check_kv_conservation": True, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +34,8 @@ def plain(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def spec(tiny_llama_dir):
-    with _engine(tiny_llama_dir, speculative_algorithm="NGRAM") as eng:
+    """Speculation on, with 16-token prefill chunks (the random prompts cross them)."""
+    with _engine(tiny_llama_dir, speculative_algorithm="NGRAM", chunked_prefill_size=16) as eng:
         yield eng
         eng.check_kv_conservation()
 
@@ -194,3 +197,27 @@ def test_sampled_output_distributed_as_without_speculation(plain, spec):
         tv = sum(abs(counts.get(("plain", t), 0) - counts.get(("spec", t), 0))
                  for t in tokens) / (2 * len(params))
         assert tv < 0.15, (j, tv)
+
+
+def test_retraction_keeps_outputs_and_kv(tiny_llama_dir, plain):
+    """A pool too small for the batch: decode retracts (and verify steps fall back to plain
+    decode while the pool is short); the same greedy tokens as alone without speculation,
+    KV conserved after every step."""
+    rng = random.Random(0)
+    candidates = [[rng.randrange(1, 357) for _ in range(40)] for _ in range(12)]
+    # EOS allowed (admission then forecasts growth instead of reserving all of it), so keep
+    # prompts whose greedy output runs the full 120 tokens.
+    params = {"temperature": 0.0, "max_new_tokens": 120}
+    outs = plain.generate(input_ids=candidates, sampling_params=params)
+    picked = [(p, o["output_ids"]) for p, o in zip(candidates, outs)
+              if len(o["output_ids"]) == 120][:4]
+    assert len(picked) == 4
+    prompts, refs = [p for p, _ in picked], [r for _, r in picked]
+    with _engine(tiny_llama_dir, speculative_algorithm="NGRAM", max_total_tokens=300,
+                 schedule_conservativeness=0.3) as eng:
+        outs = eng.generate(input_ids=prompts, sampling_params=params)
+        assert eng.scheduler.stats.num_retracted_reqs > 0
+        assert eng.scheduler.spec.stats.verify_steps > 0
+        state = eng.check_kv_conservation()
+        assert state["running"] == state["waiting"] == 0
+    assert [o["output_ids"] for o in outs] == refs
