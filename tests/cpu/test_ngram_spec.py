@@ -163,16 +163,23 @@ def test_speculation_caps_running_requests_at_48(plain, spec):
     assert plain.runner.max_running_requests > 48
 
 
-def test_sampled_requests_run_with_seeds_and_conserve_kv(spec):
-    """Sampled requests (seeded, top-k) go through rejection sampling; same seeds, same
-    output when run again; every request ends with its budget of tokens."""
+def test_sampled_requests_run_with_seeds_and_conserve_kv(plain, spec):
+    """Sampled requests (seeded, top-k) go through rejection sampling in one batch with
+    greedy ones: same seeds, same output when run again alone; the greedy requests of the
+    mixed batch get their plain greedy tokens; every request ends with its budget."""
     params = [{"temperature": 0.7, "top_k": 4, "max_new_tokens": 24, "ignore_eos": True,
                "seed": i} for i in range(6)]
-    a = spec.generate(input_ids=[REPETITIVE] * 6, sampling_params=params)
+    greedy = {**GREEDY, "max_new_tokens": 24}
+    ref = plain.generate(input_ids=REPETITIVE, sampling_params=greedy)["output_ids"]
+    mixed = spec.generate(input_ids=[REPETITIVE] * 8, sampling_params=params[:3] + [greedy]
+                          + params[3:] + [greedy])
+    a = mixed[:3] + mixed[4:7]
+    assert mixed[3]["output_ids"] == mixed[7]["output_ids"] == ref
     spec.flush_cache()
     b = [spec.generate(input_ids=REPETITIVE, sampling_params=p) for p in params]
     assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
     assert all(len(o["output_ids"]) == 24 for o in a)
+    assert sum(o["meta_info"].get("spec_verify_ct", 0) for o in a) > 0
 
 
 @pytest.mark.slow  # 7 s on a loaded 2-vCPU VM: 2 x 400 sampled requests

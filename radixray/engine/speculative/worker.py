@@ -76,6 +76,16 @@ class SpecStats:
                 "accept_length_hist": list(self.accept_hist)}
 
 
+def _gather(group: list[int], starts: list[int]) -> tuple[torch.Tensor, dict[int, int]]:
+    """The logits rows of the requests ``group`` (indexes into the batch whose request ``i``
+    owns rows ``starts[i]:starts[i + 1]``), concatenated, and each one's first row there."""
+    first, pos = {}, 0
+    for i in group:
+        first[i] = pos
+        pos += starts[i + 1] - starts[i]
+    return torch.cat([torch.arange(starts[i], starts[i + 1]) for i in group]), first
+
+
 def create_speculator(config, runner) -> NgramSpeculator | None:
     """The speculator ``config`` asks for (None without speculation); ValueError naming the
     field when the runner's model or attention backend cannot verify drafts."""
@@ -187,24 +197,17 @@ class NgramSpeculator:
         committed."""
         rows = [i for i, d in enumerate(drafts) if d]
         greedy = [i for i in rows if reqs[i].sampling.is_greedy]
-        targets = {}
-        if greedy:
-            flat = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in greedy])
-            arg = logits[flat].argmax(dim=-1).tolist()
-            pos = 0
-            for i in greedy:
-                n = starts[i + 1] - starts[i]
-                targets[i] = arg[pos:pos + n]
-                pos += n
         sampled = [i for i in rows if not reqs[i].sampling.is_greedy]
-        probs = None
+        if greedy:
+            flat, g_first = _gather(greedy, starts)
+            argmax = logits[flat].argmax(dim=-1).tolist()
         if sampled:
-            flat = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in sampled])
+            flat, s_first = _gather(sampled, starts)
             x = logits[flat]
             params = [reqs[i].sampling for i in sampled for _ in range(starts[i], starts[i + 1])]
             probs = s.sampler.filtered_probs(x, x.amax(dim=-1), params, list(range(len(params))))
         finite = torch.isfinite(logits).all(dim=-1).tolist()
-        committed, pos = 0, 0
+        committed = 0
         for i in rows:
             req, d = reqs[i], drafts[i]
             n = 1 + len(d)
@@ -213,11 +216,10 @@ class NgramSpeculator:
                 s.finish(req, FinishReason("error", message=NONFINITE_LOGITS,
                                            status=BATCH_FAULT_STATUS))
                 continue
-            if i in targets:
-                tokens = accept_greedy(targets[i], d)
+            if req.sampling.is_greedy:
+                tokens = accept_greedy(argmax[g_first[i]:g_first[i] + n], d)
             else:
-                tokens = accept_sampled(probs[pos:pos + n], d, req.generator)
-                pos += n
+                tokens = accept_sampled(probs[s_first[i]:s_first[i] + n], d, req.generator)
             committed += self._append(s, req, tokens, n)
         s.stats.generation_tokens += committed
         return committed
