@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         overlap,
         quant_quality,
         serve_client,
+        speculative,
         vs_hf,
         weight_update,
     )
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     weight_update.add_parser(bench_sub)
     expert_parallel.add_parser(bench_sub)
     hicache.add_parser(bench_sub)
+    speculative.add_parser(bench_sub)
 
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve` re-runs itself with it

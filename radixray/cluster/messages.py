@@ -84,6 +84,7 @@ class WorkerLoad:
     eplb: dict | None = None  # with enable_eplb: ExpertBalancer.snapshot() (engine/eplb.py)
     hicache: dict | None = None  # with enable_hierarchical_cache: KVManager.tier_snapshot()
     grammar: dict | None = None  # structured output: GrammarManager.snapshot() (engine/grammar/)
+    spec: dict | None = None  # with speculative_algorithm: SpecStats.snapshot() (engine/speculative/)
 
     def as_json(self) -> dict:
         return asdict(self)

@@ -16,7 +16,12 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from radixray.cluster.messages import WorkerLoad
 from radixray.cluster.pd_metrics import side_snapshot
@@ -46,7 +51,8 @@ def scheduler_snapshot(scheduler) -> WorkerLoad:
         pd=side_snapshot(scheduler.pd) if scheduler.pd is not None else None,
         eplb=eplb.snapshot() if (eplb := getattr(scheduler.runner, "eplb", None)) else None,
         hicache=scheduler.kv.tier_snapshot(),
-        grammar=scheduler.grammar.snapshot())
+        grammar=scheduler.grammar.snapshot(),
+        spec=spec.stats.snapshot() if (spec := getattr(scheduler, "spec", None)) else None)
 
 
 class WorkerMetrics:
@@ -182,6 +188,8 @@ class WorkerMetrics:
             out += [g, c]
         if snapshot.grammar is not None:
             out += grammar_families(w, snapshot.grammar)
+        if snapshot.spec is not None:
+            out += spec_families(w, snapshot.spec)
         return out
 
 
@@ -211,6 +219,8 @@ def hicache_families(w: list[str], snapshot: WorkerLoad) -> list[Metric]:
     pool.add_metric(w + ["total"], float(hc["host_pool_tokens"]))
     pool.add_metric(w + ["cached"], float(hc["host_cached_tokens"]))
     return [eff, hits, pool]
+
+
 def grammar_families(w: list[str], snap: dict) -> list[Metric]:
     """Structured output's series from ``GrammarManager.snapshot()`` (labels ``w``)."""
     g = GaugeMetricFamily(PREFIX + "num_grammar_queue_reqs", "Requests waiting for their "
@@ -231,6 +241,29 @@ def grammar_families(w: list[str], snap: dict) -> list[Metric]:
         c.add_metric(w, float(snap[key]))
         out.append(c)
     return out
+
+
+def spec_families(w: list[str], spec: dict) -> list[Metric]:
+    """Speculative decoding: accept length (tokens committed per request per verify
+    forward) as a gauge and a histogram, the accept rate, and verify forwards."""
+    g = GaugeMetricFamily(PREFIX + "spec_accept_length", "Mean tokens committed per request "
+                          "per verify forward (accepted drafts + 1).", labels=["worker"])
+    g.add_metric(w, spec["accept_length"])
+    r = GaugeMetricFamily(PREFIX + "spec_accept_rate", "Share of draft tokens accepted.",
+                          labels=["worker"])
+    r.add_metric(w, spec["accept_rate"])
+    c = CounterMetricFamily(PREFIX + "spec_verify_steps", "Verify forwards run.",
+                            labels=["worker"])
+    c.add_metric(w, float(spec["verify_steps"]))
+    h = HistogramMetricFamily(PREFIX + "spec_accept_length_per_verify", "Tokens one request "
+                              "committed in one verify forward.", labels=["worker"])
+    hist, total, buckets = spec["accept_length_hist"], 0, []
+    for m in range(1, len(hist)):
+        total += hist[m]
+        buckets.append((str(m), total))
+    buckets.append(("+Inf", total))
+    h.add_metric(w, buckets, sum_value=float(sum(m * n for m, n in enumerate(hist))))
+    return [g, r, c, h]
 
 
 class FleetCollector:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from radixray.engine import options
 from radixray.engine.options import option
 from radixray.engine.policy import SCHEDULE_POLICIES
+from radixray.engine.speculative.options import SPECULATIVE_ALGORITHMS, check_speculative
 from radixray.kernels import QUANTIZATIONS
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -151,6 +152,17 @@ class EngineConfig:
     grammar_json_max_whitespace: int | None = option(
         16, "most whitespace characters in a row a JSON schema lets the model write (bounds "
         "a model stuck on whitespace; None: unbounded)", ge=0)
+    speculative_algorithm: str | None = option(
+        None, "NGRAM: draft tokens from n-grams of each request's own prompt and output, "
+        "verified in one forward (greedy output unchanged, sampled output distributed the "
+        "same); caps max_running_requests at 48 unless set", choices=SPECULATIVE_ALGORITHMS)
+    speculative_num_draft_tokens: int = option(
+        8, "with speculation: tokens per request in one verify forward (its last token plus "
+        "up to this many minus one draft tokens)", ge=2)
+    speculative_ngram_min_match_window_size: int = option(
+        1, "NGRAM: fewest trailing tokens that must match an earlier n-gram to draft", ge=1)
+    speculative_ngram_max_match_window_size: int = option(
+        12, "NGRAM: longest match considered when choosing among earlier occurrences", ge=1)
 
     def __post_init__(self):
         options.validate(self)
@@ -172,6 +184,7 @@ class EngineConfig:
         if self.quantize_lm_head and self.quantization != "w8a8_int8":
             raise ValueError("quantize_lm_head needs quantization='w8a8_int8', got "
                              f"quantization={self.quantization!r}")
+        check_speculative(self)
 
     def _check_deterministic(self) -> None:
         """Deterministic mode runs the batch-invariant CPU kernels: fp32 weights and KV pool,

@@ -39,6 +39,10 @@ class MetaInfo:
     # positions routed_experts_start.. (engine/routed_experts.py says which); else None
     routed_experts: list | None = None
     routed_experts_start: int | None = None
+    # speculative decoding: verify forwards with a draft, and tokens committed per one
+    # (shown only when the request had a verify forward)
+    spec_verify_ct: int = 0
+    spec_accept_length: float | None = None
 
     @classmethod
     def of(cls, req: Req, weight_version: int = 0) -> MetaInfo:
@@ -58,7 +62,10 @@ class MetaInfo:
             weight_versions=version_ranges(spans, len(req.output_ids)) if len(spans) > 1 else None,
             routed_experts=(routes.to_list() if routes is not None else []) if asked else None,
             routed_experts_start=(routes.start if routes is not None else req.cached_tokens)
-            if asked else None)
+            if asked else None,
+            spec_verify_ct=req.spec_verify_ct,
+            spec_accept_length=(req.spec_accepted_tokens / req.spec_verify_ct)
+            if req.spec_verify_ct else None)
 
     def to_json(self) -> dict:
         """The ``meta_info`` object users see (``worker_id`` only when routed)."""
@@ -76,6 +83,9 @@ class MetaInfo:
         if self.routed_experts is not None:
             out["routed_experts"] = self.routed_experts
             out["routed_experts_start"] = self.routed_experts_start
+        if self.spec_verify_ct:
+            out["spec_verify_ct"] = self.spec_verify_ct
+            out["spec_accept_length"] = self.spec_accept_length
         return out
 
 

@@ -18,6 +18,7 @@ from radixray.engine.memory import KVPool, ReqToTokenPool, TokenSlotAllocator, k
 from radixray.engine.models import model_class_for
 from radixray.engine.request import Req
 from radixray.engine.routed_experts import SlotRoutes, record_routes
+from radixray.engine.speculative.options import speculative_running_rows
 from radixray.kernels.cpu_ops import BatchInvariantKernels, CpuKernels
 from radixray.kernels.int8_linear import quantize_linears
 
@@ -132,6 +133,7 @@ class ModelRunner:
                     f"{config.mem_fraction_static}: raise it or set max_total_tokens")
             self.max_total_tokens = int(budget // self.bytes_per_token)
         default_rows = min(max(int(self.max_total_tokens / self.context_len * 512), 2048), 4096)
+        default_rows = speculative_running_rows(config, default_rows)
         self.max_running_requests = min(config.max_running_requests or default_rows,
                                         self.max_total_tokens)
 

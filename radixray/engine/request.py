@@ -97,6 +97,10 @@ class Req:
     pd: object | None = None
     # structured output: the grammar state (engine/grammar/matcher.py) once compiled
     grammar: object | None = None
+    # speculative decoding: verify forwards this request took part in with a draft, and
+    # the tokens those committed (accepted drafts plus the target's own token)
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
 
     def commit_kv(self, n: int) -> None:
         """The step's forward pass wrote KV for the next ``n`` (reserved) tokens."""

@@ -194,6 +194,24 @@ class Sampler:
         rows: list[int],
     ) -> torch.Tensor:
         """Return one sampled token id per row in ``rows`` (tensor [len(rows)])."""
+        probs = self.filtered_probs(x, row_max, params, rows)
+        device = x.device
+        out = torch.empty(len(rows), dtype=torch.long, device=device)
+        shared = [j for j, i in enumerate(rows) if generators[i] is None]
+        if shared:
+            sh = torch.tensor(shared, device=device)
+            out[sh] = torch.multinomial(probs.index_select(0, sh), 1).squeeze(1)
+        for j, i in enumerate(rows):
+            g = generators[i]
+            if g is not None:
+                out[j] = torch.multinomial(probs[j], 1, generator=g)[0]
+        return out
+
+    def filtered_probs(self, x: torch.Tensor, row_max: torch.Tensor,
+                       params: list[SamplingParams], rows: list[int]) -> torch.Tensor:
+        """The sampling distribution of each row in ``rows`` [len(rows), V]: temperature,
+        then top-k, top-p and min-p (rows not renormalised after filtering; multinomial and
+        speculative verification normalise). ``row_max``: each row's largest logit."""
         device, vocab = x.device, x.shape[1]
         ps = [params[i] for i in rows]
         rows_t = torch.tensor(rows, device=device)
@@ -241,17 +259,7 @@ class Sampler:
             min_ps = torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=device)
             thresh = probs.max(dim=-1, keepdim=True).values * min_ps.unsqueeze(1)
             probs = probs.masked_fill(probs < thresh, 0.0)
-
-        out = torch.empty(len(rows), dtype=torch.long, device=device)
-        shared = [j for j, i in enumerate(rows) if generators[i] is None]
-        if shared:
-            sh = torch.tensor(shared, device=device)
-            out[sh] = torch.multinomial(probs.index_select(0, sh), 1).squeeze(1)
-        for j, i in enumerate(rows):
-            g = generators[i]
-            if g is not None:
-                out[j] = torch.multinomial(probs[j], 1, generator=g)[0]
-        return out
+        return probs
 
     # ------------------------------------------------------------------ logprobs
     @staticmethod

@@ -40,6 +40,7 @@ from radixray.engine.radix_cache import MatchResult
 from radixray.engine.request import FinishReason, Req
 from radixray.engine.sampler import DETERMINISTIC_DEFAULT_SEED, Sampler
 from radixray.engine.scheduler_faults import SchedulerFaults
+from radixray.engine.speculative.worker import create_speculator
 from radixray.engine.stats import SchedulerStats, log_decode, log_prefill
 from radixray.engine.stop import StopChecker
 
@@ -100,6 +101,7 @@ class Scheduler(SchedulerFaults):
         self.grammar = GrammarManager.create(config, stop_checker, runner.vocab_size,
                                              lambda: self.inbox.put(GrammarWake()))
         self.overlap = OverlapDecoder.create(config, self)  # engine/overlap.py, or None
+        self.spec = create_speculator(config, runner)  # engine/speculative/, or None
 
     # ---- ingest --------------------------------------------------------------------
     def submit(self, item) -> None:
@@ -409,6 +411,8 @@ class Scheduler(SchedulerFaults):
             self.ratio.step()
         reqs = self.running
         self._batch = list(reqs)
+        if self.spec is not None and self.spec.decode_step(self, reqs):
+            return
         slots = self.kv.extend_decode(reqs)
         batch: ForwardBatch = self.runner.build_decode_batch(reqs, slots)
         self.faults.before_forward()
