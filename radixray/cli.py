@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         expert_parallel,
         kernels,
         kv_transfer,
+        mixed_chunk,
         naive_server,
         quant_quality,
         serve_client,
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     vs_hf.add_parser(bench_sub)
     weight_update.add_parser(bench_sub)
     expert_parallel.add_parser(bench_sub)
+    mixed_chunk.add_parser(bench_sub)
 
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve` re-runs itself with it
