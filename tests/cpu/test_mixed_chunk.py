@@ -164,3 +164,42 @@ def test_sampled_n_copies_same_bits_in_deterministic_mode(tiny_llama_dir):
     assert results[True] == results[False]
     copies = [ids for ids, _ in results[True][3:6]]
     assert len({tuple(c) for c in copies}) > 1, "the n copies (seeds 100-102) should differ"
+
+
+def test_riders_take_at_most_half_the_chunk():
+    from radixray.engine.admission import PrefillBudget
+    from radixray.engine.mixed_batch import reserve_decode_tokens
+
+    class Sched:  # the two attributes reserve_decode_tokens reads
+        def __init__(self, running: int, mixed: bool = True):
+            self.running = [object()] * running
+            self.config = type("C", (), {"enable_mixed_chunk": mixed})()
+
+    budget = PrefillBudget(rem_total_tokens=1000, rem_input_tokens=500, rem_chunk_tokens=64)
+    reserve_decode_tokens(Sched(40), budget)
+    assert (budget.rem_total_tokens, budget.rem_input_tokens, budget.rem_chunk_tokens) == \
+        (960, 460, 32)
+    budget = PrefillBudget(rem_total_tokens=1000, rem_input_tokens=500, rem_chunk_tokens=None)
+    reserve_decode_tokens(Sched(8), budget)
+    assert (budget.rem_total_tokens, budget.rem_input_tokens, budget.rem_chunk_tokens) == \
+        (992, 492, None)
+    budget = PrefillBudget(rem_total_tokens=1000, rem_input_tokens=500, rem_chunk_tokens=64)
+    reserve_decode_tokens(Sched(8, mixed=False), budget)
+    assert (budget.rem_total_tokens, budget.rem_chunk_tokens) == (1000, 64)
+
+
+def test_bench_mixed_chunk_end_to_end(tiny_llama_dir, tmp_path, capsys):
+    import json
+
+    from radixray.cli import main
+    out = tmp_path / "mixed.json"
+    assert main(["bench", "mixed-chunk", "--model", tiny_llama_dir, "--dtype", "float32",
+                 "--input-len", "40", "--output-len", "6", "--num-prompts", "6",
+                 "--concurrency", "3", "--chunk-sizes", "16", "--output", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert [(m["chunk_size"], m["mixed"]) for m in r["medians"]] == [(16, False), (16, True)]
+    for run in r["runs"]:
+        assert run["completed"] == 6 and run["total_output_tokens"] == 6 * 6
+        assert run["max_itl_ms"] >= run["p99_itl_ms"] > 0
+        assert (run["mixed_forwards"] > 0) == run["mixed"]
+    assert "max ITL ms" in capsys.readouterr().out
