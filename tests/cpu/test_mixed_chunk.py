@@ -2,8 +2,9 @@
 and every request's output is what it is with the option off (and Hugging Face's, greedy):
 alone, batched, from the radix cache, with requests arriving mid-decode, streamed, with
 16-token chunks and logprobs, under retraction, and sampled (n > 1) in deterministic mode,
-where tokens and logprobs are the same bits. KV conservation is checked after every step;
-each scenario asserts that decode requests did ride in mixed forwards."""
+where tokens and logprobs are the same bits; and the engine tests' HF comparison on a MoE
+model. KV conservation is checked after every step; the on/off scenarios assert that decode
+requests did ride in mixed forwards."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ import random
 import pytest
 import torch
 from engine_helpers import in_thread, stream, wait_until
-from model_fixtures import NEW_TOKENS, assert_greedy_equal, hf_greedy, random_prompts
+from model_fixtures import (
+    NEW_TOKENS,
+    assert_greedy_equal,
+    hf_greedy,
+    random_prompts,
+    run_all_modes,
+)
 
 from radixray import Engine
 from radixray.engine.pause import pause
@@ -203,3 +210,12 @@ def test_bench_mixed_chunk_end_to_end(tiny_llama_dir, tmp_path, capsys):
         assert run["max_itl_ms"] >= run["p99_itl_ms"] > 0
         assert (run["mixed_forwards"] > 0) == run["mixed"]
     assert "max ITL ms" in capsys.readouterr().out
+
+
+def test_moe_model_with_mixed_chunks_matches_hf(tiny_qwen3_moe_dir):
+    """The engine tests' HF comparison (alone, batched, cached, 16-token chunks, where
+    requests ride in mixed forwards) on a MoE model with mixing on."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe_dir, dtype=torch.float32).eval()
+    run_all_modes(tiny_qwen3_moe_dir, random_prompts(hf.config.vocab_size), hf, "qwen3_moe mixed",
+                  enable_mixed_chunk=True)
