@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         hicache,
         kernels,
         kv_transfer,
+        mixed_chunk,
         naive_server,
         overlap,
         quant_quality,
@@ -112,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     expert_parallel.add_parser(bench_sub)
     hicache.add_parser(bench_sub)
     speculative.add_parser(bench_sub)
+    mixed_chunk.add_parser(bench_sub)
 
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve` re-runs itself with it

@@ -57,6 +57,10 @@ class EngineConfig:
                                               "lower-priority running requests")
     priority_preemption_threshold: int = option(10, "priority gap a waiting request needs to "
                                                 "preempt a running one")
+    enable_mixed_chunk: bool = option(False, "running decode requests ride along in each "
+                                      "prefill forward (one token each) instead of waiting "
+                                      "for the prefill wave to end; their tokens count into "
+                                      "the chunk's budget")
     disable_radix_cache: bool = option(False, "no prefix sharing between requests")
     radix_eviction_policy: str = option("lru", "which cached prefixes go first when the pool "
                                         "is full", choices=("lru", "lfu"))

@@ -44,6 +44,10 @@ class ForwardBatch:
     # ids in ``routed_experts`` [T, MoE layers, top_k] (the model runner hands them out).
     route_captures: list[tuple[Req, int, int, int]] = field(default_factory=list)
     routed_experts: torch.Tensor | None = None
+    # Mixed chunked prefill (engine/mixed_batch.py): the last ``num_decode`` requests of an
+    # extend batch are decode requests, one token each at position ``prefix_lens[i]``;
+    # attention runs them as a decode (attention/base.py ``split_mixed``).
+    num_decode: int = 0
 
     def to_device(self, device: str) -> None:
         """Move the token-wise tensors (ids, positions, cache slots) to ``device``.

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixray.engine import mixed_batch
 from radixray.engine.admission import (
     AddResult,
     NewTokenRatio,
@@ -296,6 +297,7 @@ class Scheduler(SchedulerOutput, SchedulerFaults):
         self.kv.prepare_admission(self.waiting)
         budget = PrefillBudget.start(self.kv.available_tokens(), self.running, self.ratio.value,
                                      self.config.max_prefill_tokens, self.config.chunk_size)
+        mixed_batch.reserve_decode_tokens(self, budget)
         in_batch = InBatchPrefixes(enabled=not self.kv.cache.disabled)
         if self.chunked_req is not None:
             req = self.chunked_req
@@ -373,7 +375,7 @@ class Scheduler(SchedulerOutput, SchedulerFaults):
 
     def _run_prefill(self, items) -> None:
         t0 = time.perf_counter()
-        batch = self.runner.build_extend_batch([(r, n) for r, n, _ in items], [s for _, _, s in items])
+        batch, riders = mixed_batch.build(self, items)  # riders: running requests (mixed chunks)
         self.faults.before_forward()
         logits = self.runner.forward(batch)
         self._forwarded = True
@@ -395,6 +397,7 @@ class Scheduler(SchedulerOutput, SchedulerFaults):
                 continue
             done_rows.append(i)
             done_reqs.append(req)
+        mixed_batch.finish_riders(self, logits[len(items):], riders)
         if done_reqs:
             self._sample_and_process(logits[done_rows], done_reqs, prefill=True)
         _, usage = self.token_usage()

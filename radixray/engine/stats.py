@@ -23,6 +23,8 @@ class SchedulerStats:
     forward_steps: int = 0
     decode_steps: int = 0
     gen_throughput: float = 0.0  # decode tokens/s over the last decode log interval
+    mixed_forwards: int = 0  # prefill forwards that carried decode requests (enable_mixed_chunk)
+    mixed_decode_tokens: int = 0  # decode tokens computed in those forwards
 
     def __post_init__(self):
         self._window_start = time.perf_counter()

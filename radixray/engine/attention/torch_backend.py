@@ -22,7 +22,9 @@ class TorchAttention(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         # The request table lives on the CPU; indices and masks go to the pool's device.
         device = self.kv_pool.device
-        if batch.mode is ForwardMode.DECODE:
+        if batch.num_decode:
+            self.init_mixed_metadata(batch)
+        elif batch.mode is ForwardMode.DECODE:
             max_len = max(batch.seq_lens)
             idx = self.req_to_token[batch.req_rows, :max_len]
             lens = torch.tensor(batch.seq_lens, dtype=torch.int64)
@@ -39,6 +41,8 @@ class TorchAttention(AttentionBackend):
 
     def forward(self, q, k, v, layer, batch):
         pool = self.kv_pool
+        if batch.num_decode:
+            return self.forward_mixed(q, k, v, layer, batch)
         if batch.mode is ForwardMode.DECODE:
             pool.write(layer, batch.out_cache_loc, k, v)
             return self._decode(q, layer, batch)
