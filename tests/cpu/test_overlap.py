@@ -26,6 +26,7 @@ def _hf(model_dir: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
+@pytest.mark.slow  # the on/off identity below covers it in the default run
 def test_greedy_equals_hf_in_every_mode_with_overlap(tiny_llama_dir):
     hf = _hf(tiny_llama_dir)
     run_all_modes(tiny_llama_dir, random_prompts(hf.config.vocab_size), hf, "overlap",
