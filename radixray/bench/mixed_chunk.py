@@ -22,7 +22,13 @@ import logging
 import statistics
 import time
 
-from radixray.bench import random_token_prompts, save_json
+from radixray.bench import (
+    add_engine_arguments,
+    random_token_prompts,
+    register,
+    save_json,
+    standalone_main,
+)
 from radixray.bench.serve_metrics import RequestRecord, summarize
 from radixray.engine.stats import SchedulerStats
 
@@ -141,12 +147,7 @@ def print_report(r: dict) -> None:
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default",
-                   help="'default' (SmolLM2-135M GGUF), an HF folder or a .gguf")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--quantization", default=None, choices=["w8a8_int8"])
-    p.add_argument("--quantize-lm-head", action="store_true")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8_e5m2"])
+    add_engine_arguments(p)
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
@@ -160,26 +161,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_parser(bench_subparsers) -> None:
     """Register ``mixed-chunk`` on the ``radixray bench`` subparsers."""
-    p = bench_subparsers.add_parser(
-        "mixed-chunk", help="in-process: max and p99 inter-token latency with and without "
-        "enable_mixed_chunk")
-    _add_arguments(p)
-    p.set_defaults(func=_run_cli)
-
-
-def _run_cli(args) -> int:
-    run(args)
-    return 0
+    register(bench_subparsers, "mixed-chunk", "in-process: max and p99 inter-token latency with and "
+             "without enable_mixed_chunk", _add_arguments, run)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m radixray.bench.mixed_chunk``: the same without the rest of the CLI's imports."""
-    p = argparse.ArgumentParser(prog="radixray.bench.mixed_chunk", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_arguments(p)
-    logging.basicConfig(level="WARNING", format="[%(asctime)s] %(message)s")
-    run(p.parse_args(argv))
-    return 0
+    return standalone_main(argv, "mixed_chunk", __doc__, _add_arguments, run, "WARNING")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import os
 import statistics
 import time
 
-from radixray.bench import random_token_prompts, save_json
+from radixray.bench import add_engine_arguments, random_token_prompts, register, save_json
 
 
 def _timed(eng, prompts: list[list[int]], new_tokens: int) -> float:
@@ -48,13 +48,9 @@ def _hidden(s) -> float:
 
 def run(args) -> dict:
     from radixray import Engine
-    options = {"max_total_tokens": args.max_total_tokens}
-    if args.model:
-        options["model"] = args.model
-    if args.quantization:
-        options["quantization"] = args.quantization
-    if args.kv_cache_dtype:
-        options["kv_cache_dtype"] = args.kv_cache_dtype
+    options = {"model": args.model, "dtype": args.dtype, "quantization": args.quantization,
+               "quantize_lm_head": args.quantize_lm_head, "kv_cache_dtype": args.kv_cache_dtype,
+               "max_total_tokens": args.max_total_tokens}
     engines = {mode: Engine(enable_overlap_schedule=mode == "on", **options)
                for mode in ("off", "on")}
     try:
@@ -84,16 +80,16 @@ def run(args) -> dict:
     return out
 
 
-def add_parser(bench_subparsers) -> None:
-    p = bench_subparsers.add_parser("overlap", help="decode step time with overlap scheduling "
-                                    "off and on")
-    p.add_argument("--model", default=None, help="default: the SmolLM2-135M GGUF")
+def _add_arguments(p) -> None:
+    add_engine_arguments(p)
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-total-tokens", type=int, default=16384)
-    p.add_argument("--quantization", default=None)
-    p.add_argument("--kv-cache-dtype", default=None)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--output", default=None, help="write the results as JSON here")
-    p.set_defaults(func=lambda args: (run(args), 0)[1])
+
+
+def add_parser(bench_subparsers) -> None:
+    register(bench_subparsers, "overlap", "decode step time with overlap scheduling off and on",
+             _add_arguments, run)

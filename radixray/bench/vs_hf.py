@@ -26,7 +26,13 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from radixray.bench import random_token_prompts, save_json
+from radixray.bench import (
+    add_engine_arguments,
+    random_token_prompts,
+    register,
+    save_json,
+    standalone_main,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -156,15 +162,10 @@ def print_report(r: dict) -> None:
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default",
-                   help="'default' (SmolLM2-135M GGUF), an HF folder or a .gguf")
+    add_engine_arguments(p)
     p.add_argument("--random-weights", action="store_true",
                    help="time a random-initialised model of --model's config.json (a folder)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N], for both sides")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--quantization", default=None, choices=["w8a8_int8"])
-    p.add_argument("--quantize-lm-head", action="store_true")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8_e5m2"])
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
@@ -177,25 +178,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_parser(bench_subparsers) -> None:
     """Register ``vs-hf`` on the ``radixray bench`` subparsers."""
-    p = bench_subparsers.add_parser(
-        "vs-hf", help="in-process: the engine at each concurrency vs transformers generate one at a time")
-    _add_arguments(p)
-    p.set_defaults(func=_run_cli)
-
-
-def _run_cli(args) -> int:
-    run(args)
-    return 0
+    register(bench_subparsers, "vs-hf", "in-process: the engine at each concurrency vs transformers "
+             "generate one at a time", _add_arguments, run)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m radixray.bench.vs_hf``: the same without the rest of the CLI's imports."""
-    p = argparse.ArgumentParser(prog="radixray.bench.vs_hf", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_arguments(p)
-    logging.basicConfig(level="INFO", format="[%(asctime)s] %(message)s")
-    run(p.parse_args(argv))
-    return 0
+    return standalone_main(argv, "vs_hf", __doc__, _add_arguments, run, "INFO")
 
 
 if __name__ == "__main__":

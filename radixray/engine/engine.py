@@ -95,9 +95,8 @@ class Engine:
     def __init__(self, model: str = "default", *, worker_id: str = "engine",
                  kv_transport=None, ep_rank: int = 0, ep_init_method: str | None = None,
                  **options):
-        """``worker_id`` names this engine to a disaggregated peer; ``kv_transport``
-        replaces a prefill or decode engine's Mooncake transport (tests). ``ep_rank`` /
-        ``ep_init_method``: with ``ep_size`` > 1, this rank and its group's rendezvous."""
+        """``worker_id`` names this engine to a disaggregated peer, ``kv_transport`` replaces
+        its Mooncake transport (tests); ``ep_rank`` / ``ep_init_method``: its EP rendezvous."""
         self.config = EngineConfig.from_kwargs(model=model, **options)
         source = resolve_model(self.config.model)
         self.tokenizer = source.tokenizer
@@ -137,8 +136,7 @@ class Engine:
             logger.exception("scheduler thread died")  # ends the thread (logged once, here)
             self.scheduler.fail_engine(f"the scheduler thread died: {type(exc).__name__}: {exc}")
         finally:
-            if self.scheduler.overlap is not None:
-                self.scheduler.overlap.close()
+            self.scheduler.close()
 
     def _on_failed(self, reason: str) -> None:
         """Scheduler thread: the engine failed; tell every listener (see :meth:`on_failure`)."""
@@ -385,11 +383,10 @@ class Engine:
 
     # ---- expert placement (engine/eplb.py) ---------------------------------------------
     def rebalance_experts(self, timeout: float = 600.0) -> dict:
-        """Rebalance the MoE model's expert copies for the load of the last
-        ``eplb_window_size`` forward passes, between two of them, and return the
-        ``RebalanceReport`` as a dict. Waits while a weight-update session is open (at
-        most ``timeout`` s: TimeoutError); ValueError without ``enable_eplb`` or while the
-        weights are released."""
+        """Rebalance the MoE model's expert copies for the last ``eplb_window_size`` forward
+        passes' load (with every rank of an EP group); the ``RebalanceReport`` as a dict.
+        Waits while a weight-update session is open (at most ``timeout`` s: TimeoutError);
+        ValueError without ``enable_eplb`` or while the weights are released."""
         return request_rebalance(self.runner.eplb, self.call_in_loop, self.weights, timeout)
 
     def flush_cache(self) -> bool:

@@ -195,17 +195,24 @@ class ModelRunner:
             prefix_lens=prefix_lens, extend_lens=extend_lens, seq_lens=seq_lens,
             route_captures=captures)
 
-    def build_decode_batch(self, reqs: list[Req], slots: torch.Tensor) -> ForwardBatch:
-        """One new token per request: its last output token, at position ``kv_len``."""
+    def build_decode_batch(self, reqs: list[Req], slots: torch.Tensor,
+                           ahead: list[int] | None = None) -> ForwardBatch:
+        """One new token per request: its last output token, at position ``kv_len``.
+        ``ahead[i]`` (overlap scheduling): request ``i`` has that many tokens in a step in
+        flight, so it runs ``ahead[i]`` positions on, its input filled in later (0 here)."""
         kv_lens = [r.kv_len for r in reqs]
+        last = [r.output_ids[-1] for r in reqs]
+        if ahead is not None:
+            kv_lens = [n + a for n, a in zip(kv_lens, ahead)]
+            last = [0 if a else t for t, a in zip(last, ahead)]
         return ForwardBatch(
             mode=ForwardMode.DECODE,
-            input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64),
+            input_ids=torch.tensor(last, dtype=torch.int64),
             positions=torch.tensor(kv_lens, dtype=torch.int64),
             out_cache_loc=slots,
             req_rows=torch.tensor([r.req_row for r in reqs], dtype=torch.int64),
             prefix_lens=kv_lens, extend_lens=[1] * len(reqs), seq_lens=[n + 1 for n in kv_lens],
-            route_captures=[(r, i, 1, r.kv_len) for i, r in enumerate(reqs)
+            route_captures=[(r, i, 1, n) for i, (r, n) in enumerate(zip(reqs, kv_lens))
                             if r.sampling.return_routed_experts] if self.routes_experts else [])
 
     def collect_routes(self, req: Req) -> None:

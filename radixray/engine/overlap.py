@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radixray.engine.forward_batch import ForwardBatch, ForwardMode
+from radixray.engine.forward_batch import ForwardBatch
 from radixray.engine.request import Req
 from radixray.engine.sampler import _has_penalty
 
@@ -168,7 +168,7 @@ class OverlapDecoder:
     def _has_room(self, req: Req, prev: _Step | None) -> bool:
         """Whether ``req`` may be launched now: it still needs a token after the one in
         flight, and that token's position fits the context."""
-        ahead = 1 if prev is not None and id(req) in prev.rows else 0
+        ahead = _ahead(req, prev)
         return (not req.finished and req.remaining_new_tokens > ahead
                 and req.seq_len + ahead < self.s.runner.context_len)
 
@@ -178,23 +178,15 @@ class OverlapDecoder:
         slots = kv.alloc_slots(len(reqs))
         if slots is None:
             raise RuntimeError("overlap: no KV slot for a decode step that had room")
-        ids, positions, refs = [], [], []
+        aheads, refs = [], []
         for i, r in enumerate(reqs):
-            ahead = 1 if prev is not None and id(r) in prev.rows else 0
+            ahead = _ahead(r, prev)
             kv.table[r.req_row, r.kv_len + r.kv_reserved] = slots[i]
             r.kv_reserved += 1
-            positions.append(r.kv_len + ahead)
+            aheads.append(ahead)
             if ahead:
-                ids.append(0)
                 refs.append((i, prev.rows[id(r)]))
-            else:
-                ids.append(r.output_ids[-1])
-        kv_lens = positions
-        batch = ForwardBatch(
-            mode=ForwardMode.DECODE, input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64), out_cache_loc=slots,
-            req_rows=torch.tensor([r.req_row for r in reqs], dtype=torch.int64),
-            prefix_lens=kv_lens, extend_lens=[1] * len(reqs), seq_lens=[n + 1 for n in kv_lens])
+        batch = s.runner.build_decode_batch(reqs, slots, aheads)
         s.faults.before_forward()
         params = [r.sampling for r in reqs]
         generators = [r.generator for r in reqs]
@@ -254,6 +246,11 @@ class OverlapDecoder:
             else:
                 self.s.kv.release(req)
         self._deferred = keep
+
+
+def _ahead(req: Req, prev: _Step | None) -> int:
+    """Tokens ``req`` has in the step in flight ``prev`` (0 or 1)."""
+    return 1 if prev is not None and id(req) in prev.rows else 0
 
 
 def _forward_and_sample(runner, sampler, batch: ForwardBatch, refs, prev_future, params,

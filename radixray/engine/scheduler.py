@@ -208,6 +208,11 @@ class Scheduler(SchedulerOutput, SchedulerFaults):
         except Exception as exc:  # noqa: BLE001 - weights were moving when a peer failed
             self._group_broken(exc)
 
+    def close(self) -> None:
+        """The loop has ended: take in a decode step still in flight (overlap scheduling)."""
+        if self.overlap is not None:
+            self.overlap.close()
+
     def run_until_idle(self) -> None:
         """Drain the inbox and step until no request is left (in-process use and tests)."""
         self._ingest()
