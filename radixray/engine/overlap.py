@@ -74,7 +74,7 @@ def overlappable(req: Req) -> bool:
     """A request whose sampling reads nothing the scheduler thread writes meanwhile."""
     sp = req.sampling
     return not (_has_penalty(sp) or sp.return_routed_experts
-                or getattr(req, "grammar", None) is not None)
+                or req.grammar is not None)
 
 
 class OverlapDecoder:
@@ -97,8 +97,7 @@ class OverlapDecoder:
             return None
         for name, value in (("ep_size", config.ep_size > 1),
                             ("disaggregation_mode", config.disaggregation_mode),
-                            ("speculative_algorithm",
-                             getattr(config, "speculative_algorithm", None))):
+                            ("speculative_algorithm", config.speculative_algorithm)):
             if value:
                 raise ValueError(f"enable_overlap_schedule cannot run with {name}; turn one of "
                                  f"them off")

@@ -107,7 +107,7 @@ def can_draft(req: Req) -> bool:
     requests decode one token per step."""
     sp = req.sampling
     return not (_has_penalty(sp) or _wants_logprob(sp) or sp.return_routed_experts
-                or getattr(req, "grammar", None) is not None)
+                or req.grammar is not None)
 
 
 class NgramSpeculator:
