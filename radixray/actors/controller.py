@@ -477,5 +477,5 @@ def _free_address() -> str:
     """A rendezvous address for torch.distributed on this node (run as a Ray task)."""
     import ray
 
-    from radixray.engine.ep_group import free_tcp_address
+    from radixray.engine.ep.group import free_tcp_address
     return free_tcp_address(ray.util.get_node_ip_address())

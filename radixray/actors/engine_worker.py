@@ -33,7 +33,7 @@ from radixray.engine.engine import Engine, StepChannel, attach_bootstrap
 from radixray.engine.faults import EngineFailed, EngineHealth
 from radixray.engine.inputs import build_requests
 from radixray.engine.messages import DEFAULT_GROUP
-from radixray.engine.scheduler import CallInLoop
+from radixray.engine.sched.scheduler import CallInLoop
 
 logger = logging.getLogger("radixray.worker")
 
@@ -308,11 +308,11 @@ class EngineWorker:
 
     async def pause_generation(self, mode: str = "abort") -> int:
         """See :meth:`radixray.Engine.pause_generation`."""
-        from radixray.engine.pause import pause
+        from radixray.engine.sched.pause import pause
         return await self._in_loop(lambda s: pause(s, mode))
 
     async def continue_generation(self) -> bool:
-        from radixray.engine.pause import resume
+        from radixray.engine.sched.pause import resume
         return await self._in_loop(resume)
 
     async def rebalance_experts(self) -> dict:
@@ -337,7 +337,7 @@ class EngineWorker:
             out["meta_info"]["worker_id"] = self.worker_id
         return outs
 
-    # ---- RL control: memory and weights (engine/memory_saver.py, engine/weight_session.py)
+    # ---- RL control: memory and weights (engine/mem_cache/memory_saver.py, engine/weights/session.py)
     async def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
         self.engine.check_memory_release(tags)
         return await self._in_loop(lambda s: self.engine.memory.release(tags))

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from radixray.cluster.errors import unwrap_ray_error
 from radixray.cluster.metrics import WeightUpdateMetrics
-from radixray.engine.pause import PAUSE_MODES
+from radixray.engine.sched.pause import PAUSE_MODES
 
 logger = logging.getLogger("radixray.controller")
 
@@ -205,7 +205,7 @@ class FleetWeights:
         The version defaults to the current one + 1."""
         # here, not at the top: weight_session needs torch, which the controller otherwise
         # never imports (its start-up is on every fleet's critical path)
-        from radixray.engine.weight_session import check_version
+        from radixray.engine.weights.session import check_version
         async with self.lock:
             version = check_version(self.version + 1 if weight_version is None
                                     else weight_version, self.version)

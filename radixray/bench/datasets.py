@@ -252,7 +252,7 @@ def load_tokenizer(name: str):
     """``"default"`` (the radixray default model's tokenizer), a model folder, or a tokenizer folder/id."""
     import os
 
-    from radixray.engine.loader import resolve_model
+    from radixray.engine.weights.loader import resolve_model
     if name in ("default", "") or os.path.isfile(os.path.join(name, "config.json")):
         return resolve_model(name).tokenizer
     from transformers import AutoTokenizer

@@ -25,7 +25,7 @@ import tempfile
 import time
 
 from radixray.bench import random_token_prompts, save_json
-from radixray.engine.ep_group import free_tcp_address
+from radixray.engine.ep.group import free_tcp_address
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def build_tiny_moe(folder: str, seed: int = 0) -> str:
     import torch
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    from radixray.engine.loader import resolve_model
+    from radixray.engine.weights.loader import resolve_model
     tokenizer = resolve_model("default").tokenizer
     config = Qwen3MoeConfig(
         vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512,
@@ -125,7 +125,7 @@ def run_size(model: str, size: int, prompts: list[list[int]], args: dict) -> dic
 def run(args) -> dict:
     import torch
 
-    from radixray.engine.models.ep_dispatch import a2a_bytes_per_token
+    from radixray.engine.ep.dispatch import a2a_bytes_per_token
     model = args.model
     tmp = None
     if model is None:

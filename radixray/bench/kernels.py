@@ -42,7 +42,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from radixray.engine.hugepages import empty_huge
+from radixray.engine.mem_cache.hugepages import empty_huge
 
 HEADS, KV_HEADS, HEAD_DIM, INTER, HIDDEN, LAYERS, VOCAB = 9, 3, 64, 1536, 576, 30, 49152
 

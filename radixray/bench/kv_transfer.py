@@ -21,7 +21,7 @@ import torch
 
 
 def _pool(layers: int, slots: int, heads: int, dim: int, dtype: torch.dtype, fill: bool):
-    from radixray.engine.hugepages import empty_huge, populate_rows
+    from radixray.engine.mem_cache.hugepages import empty_huge, populate_rows
     bufs = [empty_huge((slots, heads, dim), dtype) for _ in range(2 * layers)]
     if fill:
         for b in bufs:
@@ -47,8 +47,8 @@ def run(model: str, tokens: int, repeats: int, loopback_chunk: int = 64 << 20) -
     from radixray.bench.loopback import tcp_loopback_rate
     from radixray.engine.disaggregation.layout import copy_spans, pool_layout
     from radixray.engine.disaggregation.mooncake import MooncakeTransport
-    from radixray.engine.loader import resolve_model
-    from radixray.engine.model_runner import head_dim_of
+    from radixray.engine.executor.model_runner import head_dim_of
+    from radixray.engine.weights.loader import resolve_model
     hf = resolve_model(model).config
     shape = (hf.num_hidden_layers, tokens + 1, hf.num_key_value_heads, head_dim_of(hf),
              torch.float32)

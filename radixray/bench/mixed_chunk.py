@@ -30,7 +30,7 @@ from radixray.bench import (
     standalone_main,
 )
 from radixray.bench.serve_metrics import RequestRecord, summarize
-from radixray.engine.stats import SchedulerStats
+from radixray.engine.sched.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 

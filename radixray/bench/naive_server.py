@@ -197,7 +197,7 @@ class NaiveServer:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from radixray.engine.loader import resolve_model
+        from radixray.engine.weights.loader import resolve_model
         if threads:
             torch.set_num_threads(threads)
         src = resolve_model(model)

@@ -37,7 +37,7 @@ def load_hf_model(model: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from radixray.engine.loader import resolve_model
+    from radixray.engine.weights.loader import resolve_model
     src = resolve_model(model)
     return src.tokenizer, AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32).eval()
 

@@ -107,7 +107,7 @@ def run(args) -> dict:
     from transformers import AutoModelForCausalLM
 
     from radixray import Engine
-    from radixray.engine.loader import resolve_model
+    from radixray.engine.weights.loader import resolve_model
 
     levels = [int(c) for c in str(args.concurrency).split(",")]
     scratch = tempfile.mkdtemp(prefix="radixray-vs-hf-") if args.random_weights else None

@@ -48,7 +48,7 @@ PATHS = ("tensor", "disk", "distributed")
 _TRAINER = """
 import sys
 from safetensors.torch import load_file
-from radixray.engine.weight_sync import WeightBroadcaster
+from radixray.engine.weights.sync import WeightBroadcaster
 port, path, repeats = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 named = sorted(load_file(path).items())
 sender = WeightBroadcaster("127.0.0.1", port, world_size=2, group_name="bench", timeout_s=600)
@@ -106,8 +106,8 @@ def run(args) -> dict:
     from safetensors.torch import save_file
 
     from radixray import Engine
-    from radixray.engine.loader import resolve_model
-    from radixray.engine.weight_sync import WeightBroadcaster
+    from radixray.engine.weights.loader import resolve_model
+    from radixray.engine.weights.sync import WeightBroadcaster
     source = resolve_model(args.model)
     named = {name: t.clone() for name, t in source.weights()}
     options = {"max_total_tokens": args.max_total_tokens}
@@ -161,7 +161,7 @@ def run_fleet(args) -> dict:
     from radixray.cluster.config import ServeConfig
     from radixray.cluster.shared_weights import SharedWeightsWriter
     from radixray.cluster.tensor_payload import to_payload
-    from radixray.engine.loader import resolve_model
+    from radixray.engine.weights.loader import resolve_model
     from radixray.serve.fleet import get_or_create_controller, start_heartbeats
     for key, value in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_AUTH_MODE", "disabled"),
                        ("TOKENIZERS_PARALLELISM", "false")):

@@ -79,9 +79,9 @@ class WorkerLoad:
     startup_seconds: float = 0.0  # the worker's constructor: model load, pool, warm-up
     weight_load_seconds: float = 0.0
     role: str = "unified"
-    kv_slot_leak: int = 0  # the last KV accounting audit's difference (engine/kv_audit.py)
+    kv_slot_leak: int = 0  # the last KV accounting audit's difference (engine/mem_cache/kv_audit.py)
     pd: dict | None = None  # prefill/decode: queues, failures, finished transfers (pd_metrics)
-    eplb: dict | None = None  # with enable_eplb: ExpertBalancer.snapshot() (engine/eplb.py)
+    eplb: dict | None = None  # with enable_eplb: ExpertBalancer.snapshot() (engine/ep/eplb.py)
     hicache: dict | None = None  # with enable_hierarchical_cache: KVManager.tier_snapshot()
     grammar: dict | None = None  # structured output: GrammarManager.snapshot() (engine/grammar/)
     spec: dict | None = None  # with speculative_algorithm: SpecStats.snapshot() (engine/speculative/)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 from radixray.engine import options
 from radixray.engine.options import option
-from radixray.engine.policy import SCHEDULE_POLICIES
+from radixray.engine.sched.policy import SCHEDULE_POLICIES
 from radixray.engine.speculative.options import SPECULATIVE_ALGORITHMS, check_speculative
 from radixray.kernels import QUANTIZATIONS
 
@@ -132,7 +132,7 @@ class EngineConfig:
                                    "load a rebalance plans for (a sliding window)", ge=1)
     enable_overlap_schedule: bool = option(
         False, "run each decode step's forward pass in a forward thread while the scheduler "
-        "takes in the step before (engine/overlap.py); identical tokens")
+        "takes in the step before (engine/sched/overlap.py); identical tokens")
     enable_return_routed_experts: bool = option(
         False, "MoE models: keep the routers' choices of every token in the KV pool, so "
         "return_routed_experts covers a request's whole sequence, cached prefix included")

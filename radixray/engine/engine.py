@@ -13,18 +13,18 @@ import torch
 
 from radixray.engine.config import EngineConfig
 from radixray.engine.detokenizer import IncrementalDetokenizer
-from radixray.engine.eplb import ExpertBalancer, request_rebalance
+from radixray.engine.ep.eplb import ExpertBalancer, request_rebalance
+from radixray.engine.executor.model_runner import ModelRunner
 from radixray.engine.faults import ENGINE_FAILED_STATUS, EngineFailed, EngineHealth
 from radixray.engine.grammar.spec import no_structured_output
 from radixray.engine.inputs import Limits, build_requests
-from radixray.engine.loader import resolve_model
-from radixray.engine.memory_saver import MemorySaver
+from radixray.engine.mem_cache.memory_saver import MemorySaver
 from radixray.engine.messages import MetaInfo, RequestUpdate
-from radixray.engine.model_runner import ModelRunner
 from radixray.engine.request import Req
-from radixray.engine.scheduler import AbortCommand, CallInLoop, Scheduler
+from radixray.engine.sched.scheduler import AbortCommand, CallInLoop, Scheduler
 from radixray.engine.stop import StopChecker, eos_token_ids
-from radixray.engine.weight_session import DEFAULT_GROUP, WeightUpdater
+from radixray.engine.weights.loader import resolve_model
+from radixray.engine.weights.session import DEFAULT_GROUP, WeightUpdater
 
 logger = logging.getLogger(__name__)
 
@@ -304,20 +304,20 @@ class Engine:
 
     def pause_generation(self, mode: str = "abort") -> int:
         """Stop scheduling: ``abort`` ends every request, ``retract`` sends running ones back
-        to the queue (KV freed), ``in_place`` holds them with their KV (see engine/pause.py).
+        to the queue (KV freed), ``in_place`` holds them with their KV (see engine/sched/pause.py).
         New requests wait until :meth:`continue_generation`. Returns how many requests the
         mode touched; ValueError names a bad mode."""
-        from radixray.engine.pause import pause
+        from radixray.engine.sched.pause import pause
         return self.call_in_loop(lambda s: pause(s, mode))
 
     def continue_generation(self) -> bool:
         """Schedule again after :meth:`pause_generation`; False if it was not paused."""
-        from radixray.engine.pause import resume
+        from radixray.engine.sched.pause import resume
         return self.call_in_loop(resume)
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
         """Give back the memory of ``tags`` (``kv_cache``, ``weights``; None: both) while
-        generation is paused (see engine/memory_saver.py); returns what was freed."""
+        generation is paused (see engine/mem_cache/memory_saver.py); returns what was freed."""
         self.check_memory_release(tags)
         return self.call_in_loop(lambda s: self.memory.release(tags), timeout=600)
 
@@ -333,7 +333,7 @@ class Engine:
         """Take back the memory of released ``tags`` (None: every released tag)."""
         return self.call_in_loop(lambda s: self.memory.resume(tags), timeout=600)
 
-    # ---- weight updates (engine/weight_session.py) ------------------------------------
+    # ---- weight updates (engine/weights/session.py) ------------------------------------
     def begin_weight_update(self) -> None:
         """Open a weight-update session (ValueError if one is open)."""
         self.weights.begin()
@@ -381,7 +381,7 @@ class Engine:
     def get_weight_version(self) -> int:
         return self.weights.version
 
-    # ---- expert placement (engine/eplb.py) ---------------------------------------------
+    # ---- expert placement (engine/ep/eplb.py) ---------------------------------------------
     def rebalance_experts(self, timeout: float = 600.0) -> dict:
         """Rebalance the MoE model's expert copies for the last ``eplb_window_size`` forward
         passes' load (with every rank of an EP group); the ``RebalanceReport`` as a dict.

@@ -36,7 +36,7 @@ class MetaInfo:
     weight_versions: list[dict] | None = None
     worker_id: str | None = None  # set by the ingress that routed the request
     # return_routed_experts: [token][MoE layer][k] logical expert ids of the tokens at
-    # positions routed_experts_start.. (engine/routed_experts.py says which); else None
+    # positions routed_experts_start.. (engine/models/routed_experts.py says which); else None
     routed_experts: list | None = None
     routed_experts_start: int | None = None
     # speculative decoding: verify forwards with a draft, and tokens committed per one

@@ -11,7 +11,7 @@ from radixray.engine.sampling import SamplingParams
 if TYPE_CHECKING:  # the controller and the router read requests' messages without torch
     import torch
 
-    from radixray.engine.routed_experts import RoutedExpertsRecord
+    from radixray.engine.models.routed_experts import RoutedExpertsRecord
 
 
 @dataclass

@@ -42,7 +42,7 @@ class SamplingParams:
     top_logprobs_num: int = 0
     return_unscaled_logprob: bool = False
     # MoE models: report the experts each computed token was routed to (meta_info
-    # routed_experts; which tokens: engine/routed_experts.py)
+    # routed_experts; which tokens: engine/models/routed_experts.py)
     return_routed_experts: bool = False
     # Structured output: at most one constraint (engine/grammar/); a JSON schema may be
     # given as a dict and is kept as its JSON text

@@ -64,7 +64,7 @@ class Job:
     def __init__(self, cfg: GRPOConfig):
         import ray
 
-        from radixray.engine.loader import resolve_model
+        from radixray.engine.weights.loader import resolve_model
         from radixray.rl.tasks import get_task
         from radixray.rl.trainer import trainer_actor_class
         from radixray.serve.fleet import (

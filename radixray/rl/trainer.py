@@ -12,7 +12,7 @@ logprobs are compared with the engine's on every token: the step reports the lar
 and the mean absolute difference (a kernel or conversion mismatch shows there first).
 
 In deterministic mode (``deterministic=True``, with workers started deterministic) the
-values of the trainer's logprobs come from :class:`~radixray.engine.scoring.SequenceScorer`:
+values of the trainer's logprobs come from :class:`~radixray.engine.executor.scoring.SequenceScorer`:
 the workers' own model class and batch-invariant kernels over the trainer's current
 weights, so they equal the rollout's to the bit and the difference is exactly 0. The
 gradient flows through the transformers forward of the same weights (its values differ
@@ -106,12 +106,12 @@ class PolicyTrainer:
             if self.device.type != "cpu":
                 raise ValueError("deterministic mode runs on the CPU (the batch-invariant kernels "
                                  f"are CPU kernels), got device {device!r}")
-            from radixray.engine.scoring import SequenceScorer
+            from radixray.engine.executor.scoring import SequenceScorer
             self.scorer = SequenceScorer(self.model.config)
 
     def _exact_logprobs(self, samples: list[dict], like: torch.Tensor) -> torch.Tensor:
         """The scorer's logprobs of ``samples`` laid out as ``like`` ([B, L-1], zero padded)."""
-        from radixray.engine.scoring import SequenceScorer
+        from radixray.engine.executor.scoring import SequenceScorer
         seqs = [s["prompt_ids"] + s["output_ids"] for s in samples]
         longest = max(map(len, seqs))
         if longest > self.scorer.max_tokens:
@@ -206,13 +206,13 @@ class PolicyTrainer:
         return self._shared.write(self._items("write_shared"))
 
     def weight_spec(self) -> tuple[list[str], list[str], list[list[int]]]:
-        from radixray.engine.weight_sync import WeightBroadcaster
+        from radixray.engine.weights.sync import WeightBroadcaster
         return WeightBroadcaster.spec(self.named_weights().items())
 
     def open_broadcast(self, master_address: str, master_port: int, world_size: int,
                        group_name: str = "weight_update_group", backend: str = "gloo") -> None:
         """Join the weight-update group as rank 0 (blocks until every worker joined)."""
-        from radixray.engine.weight_sync import WeightBroadcaster
+        from radixray.engine.weights.sync import WeightBroadcaster
         self._broadcaster = WeightBroadcaster(master_address, master_port, world_size, group_name,
                                               backend)
 

@@ -32,8 +32,9 @@ from ray import serve
 from radixray.cluster.config import ServeConfig
 from radixray.cluster.errors import actor_unreachable
 from radixray.serve import native_serving, openai_serving
+from radixray.serve.api_error import ApiError, api_error_from
 from radixray.serve.auth import AuthMiddleware, AuthPolicy, install_policy
-from radixray.serve.frontend import ApiError, Frontend, api_error_from
+from radixray.serve.frontend import Frontend
 from radixray.serve.http_metrics import HttpMetricsMiddleware, replica_metrics
 from radixray.serve.limits import BodySizeLimit, BodyTooLarge, RequestLimits, install_body_limit
 from radixray.serve.protocol import (
@@ -109,7 +110,7 @@ async def _on_unexpected(request: Request, exc: Exception):
 def _import_tokenizer_libraries() -> None:
     import transformers  # noqa: F401
 
-    import radixray.engine.loader  # noqa: F401
+    import radixray.engine.weights.loader  # noqa: F401
 
 
 def _respond(result):
@@ -144,7 +145,7 @@ class Ingress:
                          families=self.http_metrics.families)
         info = ray.get(self.controller.start.remote())  # waits for the workers to load
         libraries.join()
-        from radixray.engine.loader import resolve_model
+        from radixray.engine.weights.loader import resolve_model
         tokenizer = resolve_model(info.model).tokenizer
         from radixray.serve.pd_dispatch import PDDispatcher
         dispatcher_class = PDDispatcher if self.cfg.fleet.disaggregated else Dispatcher

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from starlette.exceptions import HTTPException
 
-from radixray.serve.frontend import ApiError
+from radixray.serve.api_error import ApiError
 
 
 @dataclass(frozen=True)

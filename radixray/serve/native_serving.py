@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from radixray.engine.inputs import to_sampling_params
-from radixray.serve.frontend import ApiError, Choice, Frontend
+from radixray.serve.api_error import ApiError
+from radixray.serve.frontend import Choice, Frontend
 from radixray.serve.openai_serving import SSE_DONE, sse
 from radixray.serve.protocol import GenerateRequest
 

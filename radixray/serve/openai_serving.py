@@ -10,7 +10,8 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from radixray.serve.frontend import ApiError, Choice, Frontend
+from radixray.serve.api_error import ApiError
+from radixray.serve.frontend import Choice, Frontend
 from radixray.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16

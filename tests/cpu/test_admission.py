@@ -13,7 +13,9 @@ import random
 import pytest
 
 from radixray import Engine
-from radixray.engine.admission import (
+from radixray.engine.request import Req
+from radixray.engine.sampling import SamplingParams
+from radixray.engine.sched.admission import (
     CLIP_MAX_NEW_TOKENS,
     NewTokenRatio,
     PrefillBudget,
@@ -21,9 +23,7 @@ from radixray.engine.admission import (
     reserved_for_running,
     retraction_order,
 )
-from radixray.engine.policy import LPM_MAX_QUEUE, active_policy, order_waiting
-from radixray.engine.request import Req
-from radixray.engine.sampling import SamplingParams
+from radixray.engine.sched.policy import LPM_MAX_QUEUE, active_policy, order_waiting
 
 _rids = itertools.count()
 

@@ -16,7 +16,7 @@ import torch
 
 from radixray import Engine
 from radixray.engine.config import EngineConfig
-from radixray.engine.sampler import Sampler
+from radixray.engine.executor.sampler import Sampler
 from radixray.engine.sampling import SamplingParams
 
 SAMPLED = {"temperature": 1.0, "return_logprob": True, "return_unscaled_logprob": True,
@@ -92,7 +92,7 @@ def test_trainer_logprobs_equal_the_engines_across_weight_updates(kind, tmp_path
 @pytest.mark.slow  # out of the default run's 15-minute budget: make test-slow
 def test_default_model_trainer_logprobs_equal_the_engines():
     """SmolLM2-135M-Instruct (the default model), one rollout of two prompts."""
-    from radixray.engine.loader import resolve_model
+    from radixray.engine.weights.loader import resolve_model
     from radixray.rl.trainer import PolicyTrainer
     source = resolve_model("default")
     tok = source.tokenizer

@@ -9,8 +9,8 @@ import torch
 
 from radixray.engine.attention import TorchAttention, create_attention_backend
 from radixray.engine.config import EngineConfig
-from radixray.engine.forward_batch import ForwardBatch, ForwardMode
-from radixray.engine.memory import KVPool, ReqToTokenPool
+from radixray.engine.executor.forward_batch import ForwardBatch, ForwardMode
+from radixray.engine.mem_cache.pool import KVPool, ReqToTokenPool
 
 
 def test_device_is_validated():

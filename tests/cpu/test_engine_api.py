@@ -16,7 +16,7 @@ from engine_helpers import (
 )
 
 from radixray import Engine
-from radixray.engine.sampler import SampleOutput
+from radixray.engine.executor.sampler import SampleOutput
 
 # ------------------------------------------------------------------ validation
 BAD_INPUTS = [

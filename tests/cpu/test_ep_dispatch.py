@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from radixray.engine.models.ep_dispatch import (
+from radixray.engine.ep.dispatch import (
     CollectivesExperts,
     ExpertShard,
     a2a_bytes_per_token,
-    make_expert_dispatcher,
 )
+from radixray.engine.ep.factory import make_expert_dispatcher
 from radixray.engine.models.experts import LocalExperts
 from radixray.kernels.cpu_ops import BatchInvariantKernels, CpuKernels, load_extension
 
@@ -30,7 +30,7 @@ DEADLINE_S = 90.0
 # Ranks fork from a server process that imported these once (a fresh interpreter per
 # rank spends ~3 s importing torch); the server itself is fresh, so no threads are forked.
 mp.get_context("forkserver").set_forkserver_preload(
-    ["torch", "torch.distributed", "radixray.engine.models.ep_dispatch", __name__])
+    ["torch", "torch.distributed", "radixray.engine.ep.dispatch", __name__])
 
 
 def _run_ranks(fn, world_size: int, *args, start_method: str = "forkserver") -> None:

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from model_fixtures import assert_greedy_equal, hf_greedy, random_prompts
 
 from radixray.engine.config import EngineConfig
-from radixray.engine.ep_group import free_tcp_address, join_ep_group
+from radixray.engine.ep.group import free_tcp_address, join_ep_group
 
 NEW_TOKENS = 12
 SKEWED = [[5] * 40, [250] * 40, [300] * 40]  # each: ~all tokens of a layer to 2 experts
@@ -130,7 +130,7 @@ def _eplb_rank(rank: int, size: int, address: str, model_dir: str, prompts, resu
 
 
 def test_ep2_rebalance_moves_experts_between_ranks(tiny_qwen3_moe_dir):
-    from radixray.engine.eplb_planner import moves
+    from radixray.engine.ep.eplb_planner import moves
     hf = _hf(tiny_qwen3_moe_dir)
     pool = random_prompts(hf.config.vocab_size)
     prompts = [[pool[0], pool[3]], [pool[6]]]

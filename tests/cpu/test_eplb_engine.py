@@ -22,11 +22,11 @@ from weight_helpers import assert_matches_hf, perturb
 
 from radixray import Engine
 from radixray.engine.config import EngineConfig
-from radixray.engine.eplb_planner import keep_in_place, moves, plan
-from radixray.engine.eplb_stats import overall_balancedness
+from radixray.engine.ep.eplb_planner import keep_in_place, moves, plan
+from radixray.engine.ep.eplb_stats import overall_balancedness
+from radixray.engine.ep.expert_map import ExpertMap
 from radixray.engine.models import model_class_for
-from radixray.engine.models.expert_map import ExpertMap
-from radixray.engine.weight_layout import WeightLayout, WeightStage
+from radixray.engine.weights.layout import WeightLayout, WeightStage
 
 REDUNDANT = 3
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -244,7 +244,7 @@ def test_transfers_copy_within_a_rank_when_they_can():
     """Two ranks of 3 slots. Rank 1 swaps experts 1 and 3 between its slots (local copies,
     read before written) and trades expert 2 for expert 0, whose only copy is on rank 0;
     every rank computes the same list."""
-    from radixray.engine.eplb_planner import ExpertPlacement
+    from radixray.engine.ep.eplb_planner import ExpertPlacement
     old = ExpertPlacement.from_physical_to_logical(torch.tensor([[0, 1, 2, 1, 3, 2]]), 4, 2)
     new = ExpertPlacement.from_physical_to_logical(torch.tensor([[0, 1, 2, 3, 1, 0]]), 4, 2)
     maps = [ExpertMap(old, ep_rank=r, ep_size=2) for r in range(2)]

@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixray.engine.eplb_planner import ExpertPlacement, _pack, moves, plan
-from radixray.engine.eplb_stats import (
+from radixray.engine.ep.eplb_planner import ExpertPlacement, _pack, moves, plan
+from radixray.engine.ep.eplb_stats import (
     ExpertLoadWindow,
     balancedness,
     overall_balancedness,

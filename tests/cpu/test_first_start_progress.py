@@ -59,7 +59,7 @@ def test_compile_ticker_counts_object_files(tmp_path):
 
 @pytest.mark.slow  # ~40 s: converts the default model's GGUF again into an empty cache
 def test_gguf_conversion_logs_each_stage(tmp_path, monkeypatch, caplog):
-    from radixray.engine import loader
+    from radixray.engine.weights import loader
     monkeypatch.setenv("RADIXRAY_CACHE_DIR", str(tmp_path))
     caplog.set_level(logging.INFO, logger=loader.logger.name)
     out = loader.convert_gguf(loader.default_model_path())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from radixray.engine.loader import _file_key
+from radixray.engine.weights.loader import _file_key
 
 
 def _write(path, data: bytes) -> str:

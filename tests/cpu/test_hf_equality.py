@@ -44,7 +44,7 @@ SMOL_PROMPTS = [
 def test_smollm2_gguf_matches_hf():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from radixray.engine.loader import default_model_path
+    from radixray.engine.weights.loader import default_model_path
     path = default_model_path()
     folder, name = path.rsplit("/", 1)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)

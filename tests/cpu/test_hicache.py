@@ -152,10 +152,10 @@ def test_bad_options_name_the_field(tiny_llama_dir):
 # ---- the load-back's contract on a model-free manager (tiny pools, hand-written KV) ----
 
 def _manager(device_tokens: int, host_tokens: int):
-    from radixray.engine.hicache.host_pool import HostKVPool
-    from radixray.engine.hicache.manager import HiCacheKVManager
-    from radixray.engine.memory import KVPool, ReqToTokenPool, TokenSlotAllocator
-    from radixray.engine.radix_cache import RadixCache
+    from radixray.engine.mem_cache.hicache.host_pool import HostKVPool
+    from radixray.engine.mem_cache.hicache.manager import HiCacheKVManager
+    from radixray.engine.mem_cache.pool import KVPool, ReqToTokenPool, TokenSlotAllocator
+    from radixray.engine.mem_cache.radix_cache import RadixCache
     alloc = TokenSlotAllocator(device_tokens)
     pool = KVPool(device_tokens, 2, 1, 4, torch.float32)
     host = HostKVPool(host_tokens, 2, 1, 4, torch.float32)
@@ -220,7 +220,7 @@ def test_a_prefix_larger_than_the_host_tier_evicts_nothing_there():
 def test_a_weight_update_drops_host_copies_and_storage_pages(tmp_path):
     """KV of older weights is never loaded back: the host tree is emptied and the storage
     namespace carries the weight version."""
-    from radixray.engine.hicache.storage import FileStorage
+    from radixray.engine.mem_cache.hicache.storage import FileStorage
     kv = _manager(device_tokens=200, host_tokens=400)
     kv.storage = FileStorage(str(tmp_path))
     a = list(range(1, 130))
@@ -234,8 +234,8 @@ def test_a_weight_update_drops_host_copies_and_storage_pages(tmp_path):
 
 
 def test_fp8_host_layout_round_trips_within_its_precision():
-    from radixray.engine.hicache.host_pool import HostKVPool
-    from radixray.engine.memory import KVPool
+    from radixray.engine.mem_cache.hicache.host_pool import HostKVPool
+    from radixray.engine.mem_cache.pool import KVPool
     pool = KVPool(8, 2, 2, 4, torch.float32)
     host = HostKVPool(8, 2, 2, 4, torch.float32, "fp8_e4m3")
     slots = torch.arange(1, 9)
@@ -306,8 +306,8 @@ def test_mooncake_storage_tier(tiny_llama_dir, prompts, mooncake_master):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2])
 def test_auto_host_layout_is_bit_exact_for_every_pool_dtype(dtype):
-    from radixray.engine.hicache.host_pool import HostKVPool
-    from radixray.engine.memory import KVPool
+    from radixray.engine.mem_cache.hicache.host_pool import HostKVPool
+    from radixray.engine.mem_cache.pool import KVPool
     pool = KVPool(6, 2, 2, 4, dtype)
     host = HostKVPool(6, 2, 2, 4, dtype)
     slots = torch.arange(1, 7)

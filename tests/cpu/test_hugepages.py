@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from radixray.engine.hugepages import (
+from radixray.engine.mem_cache.hugepages import (
     advise_huge_pages,
     empty_huge,
     pack_parameters_into_huge_pages,

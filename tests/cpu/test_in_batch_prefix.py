@@ -11,7 +11,11 @@ import random
 from types import SimpleNamespace
 
 from radixray import Engine
-from radixray.engine.policy import IN_BATCH_PREFIX_CHECK, IN_BATCH_PREFIX_DEFER, InBatchPrefixes
+from radixray.engine.sched.policy import (
+    IN_BATCH_PREFIX_CHECK,
+    IN_BATCH_PREFIX_DEFER,
+    InBatchPrefixes,
+)
 
 
 def R(ids: list[int]) -> SimpleNamespace:

@@ -1,13 +1,13 @@
-"""The always-on KV accounting audit (engine/kv_audit.py): quiet and zero while every slot
+"""The always-on KV accounting audit (engine/mem_cache/kv_audit.py): quiet and zero while every slot
 is placed, a signed difference and one log line naming the owners when one is not."""
 
 import logging
 from types import SimpleNamespace
 
-from radixray.engine.kv_audit import KVAudit
-from radixray.engine.kv_manager import KVManager
-from radixray.engine.memory import ReqToTokenPool, TokenSlotAllocator
-from radixray.engine.radix_cache import RadixCache
+from radixray.engine.mem_cache.kv_audit import KVAudit
+from radixray.engine.mem_cache.kv_manager import KVManager
+from radixray.engine.mem_cache.pool import ReqToTokenPool, TokenSlotAllocator
+from radixray.engine.mem_cache.radix_cache import RadixCache
 from radixray.engine.request import Req
 from radixray.engine.sampling import SamplingParams
 
@@ -25,7 +25,7 @@ def _scheduler():
 def test_a_lost_slot_is_counted_and_its_owners_logged_once(caplog):
     scheduler, holders = _scheduler()
     audit = KVAudit(interval_steps=2)
-    caplog.set_level(logging.INFO, logger="radixray.engine.kv_audit")
+    caplog.set_level(logging.INFO, logger="radixray.engine.mem_cache.kv_audit")
     for _ in range(4):
         audit.after_step(scheduler)
     assert (audit.checks, audit.leak) == (2, 0) and not caplog.records

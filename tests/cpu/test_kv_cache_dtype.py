@@ -15,7 +15,7 @@ import torch
 from engine_helpers import rand_ids
 
 from radixray import Engine
-from radixray.engine.memory import FP8_E5M2_MAX, KVPool
+from radixray.engine.mem_cache.pool import FP8_E5M2_MAX, KVPool
 from radixray.kernels.cpu_ops import load_extension
 
 PARAMS = {"temperature": 0.0, "max_new_tokens": 20, "ignore_eos": True,

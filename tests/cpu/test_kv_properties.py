@@ -14,9 +14,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from radixray.engine.kv_manager import KVManager
-from radixray.engine.memory import ReqToTokenPool, TokenSlotAllocator
-from radixray.engine.radix_cache import RadixCache
+from radixray.engine.mem_cache.kv_manager import KVManager
+from radixray.engine.mem_cache.pool import ReqToTokenPool, TokenSlotAllocator
+from radixray.engine.mem_cache.radix_cache import RadixCache
 from radixray.engine.request import Req
 from radixray.engine.sampling import SamplingParams
 

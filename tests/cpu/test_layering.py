@@ -20,7 +20,7 @@ RAY_FREE = {"common", "kernels", "engine"}
 
 
 def _layer(module: str) -> str | None:
-    """``radixray.engine.sampler`` -> ``engine``; the package root itself has no layer."""
+    """``radixray.engine.executor.sampler`` -> ``engine``; the package root itself has no layer."""
     parts = module.split(".")
     if parts[0] != "radixray" or len(parts) < 2:
         return None
@@ -82,3 +82,86 @@ def test_importing_the_kernels_and_the_engine_loads_nothing_above_them():
                          timeout=300, check=True).stdout.split("\n")
     assert out[0] == "['common', 'engine', 'kernels']", out
     assert out[1] == "False"
+
+
+def _resolve(name: str, path: pathlib.Path, node: ast.ImportFrom) -> str:
+    """The absolute module an ``ImportFrom`` names (relative imports resolved)."""
+    if not node.level:
+        return node.module or ""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+    return ".".join(parts + ([node.module] if node.module else []))
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports (lazy imports included). A package's
+    ``__init__`` is not a target: importing a submodule runs it, but it does not make the
+    submodule depend on its siblings."""
+    paths = dict(MODULES)
+    targets = {n for n, p in MODULES if p.name != "__init__.py"}
+    graph: dict[str, set[str]] = {n: set() for n in paths}
+    for name, path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(name, path, node)
+                found = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            graph[name].update(t for t in found if t in targets and t != name)
+    return graph
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm, iterative: the components with more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_cycles():
+    """Two modules that need each other are one module in two files: a registry or a factory
+    breaks the tie."""
+    cycles = _strongly_connected(_import_graph())
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_finds_cycles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert _strongly_connected(graph) == [["a", "b", "c"]]

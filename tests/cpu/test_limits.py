@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from radixray.actors.engine_worker import EngineWorker
 from radixray.cluster.config import ServeConfig
 from radixray.cluster.errors import WorkerQueueFull
-from radixray.serve.frontend import ApiError, api_error_from
+from radixray.serve.api_error import ApiError, api_error_from
 from radixray.serve.limits import BodySizeLimit, BodyTooLarge, RequestLimits
 from radixray.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 

@@ -22,7 +22,7 @@ from model_fixtures import (
 )
 
 from radixray import Engine
-from radixray.engine.pause import pause
+from radixray.engine.sched.pause import pause
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 LOGPROBS = {**GREEDY, "return_logprob": True, "top_logprobs_num": 3}
@@ -174,8 +174,8 @@ def test_sampled_n_copies_same_bits_in_deterministic_mode(tiny_llama_dir):
 
 
 def test_riders_take_at_most_half_the_chunk():
-    from radixray.engine.admission import PrefillBudget
-    from radixray.engine.mixed_batch import reserve_decode_tokens
+    from radixray.engine.sched.admission import PrefillBudget
+    from radixray.engine.sched.mixed_batch import reserve_decode_tokens
 
     class Sched:  # the two attributes reserve_decode_tokens reads
         def __init__(self, running: int, mixed: bool = True):

@@ -17,8 +17,8 @@ from model_fixtures import (
 
 from radixray import Engine
 from radixray.engine.models import model_class_for
-from radixray.engine.routed_experts import RoutedExpertsRecord
-from radixray.engine.weight_layout import WeightLayout, WeightStage
+from radixray.engine.models.routed_experts import RoutedExpertsRecord
+from radixray.engine.weights.layout import WeightLayout, WeightStage
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 NEAR_TIE = 1e-5  # routing probabilities closer than this may order differently

@@ -124,7 +124,7 @@ def test_abort_mid_stream_with_overlap(tiny_llama_dir):
 
 def test_overlap_refuses_what_it_cannot_run(tiny_qwen3_moe_dir):
     from radixray.engine.config import EngineConfig
-    from radixray.engine.overlap import OverlapDecoder
+    from radixray.engine.sched.overlap import OverlapDecoder
     config = EngineConfig.from_kwargs(model=tiny_qwen3_moe_dir, enable_overlap_schedule=True,
                                       ep_size=2)
     with pytest.raises(ValueError, match="enable_overlap_schedule cannot run with ep_size"):

@@ -89,7 +89,7 @@ def test_bootstrap_room_bounds():
 
 
 def test_populating_a_pool_keeps_its_contents():
-    from radixray.engine.hugepages import empty_huge, populate_rows
+    from radixray.engine.mem_cache.hugepages import empty_huge, populate_rows
     bufs = [empty_huge((3000, 2, 8), torch.float32) for _ in range(3)]
     bufs[1][2999] = 7.0
     bufs[2][0] = -1.0
@@ -115,7 +115,7 @@ def test_interference_workload_and_class_stats(tiny_llama_dir):
 
 def test_kv_transfer_bench_writes_a_model_shaped_pool(tiny_llama_dir):
     from radixray.bench.kv_transfer import run
-    from radixray.engine.loader import resolve_model
+    from radixray.engine.weights.loader import resolve_model
     out = run(tiny_llama_dir, tokens=64, repeats=2, loopback_chunk=4 << 20)
     layers = resolve_model(tiny_llama_dir).config.num_hidden_layers
     assert out["spans"] == 2 * layers and out["kv_gb_s_median"] > 0 and out["kv_vs_loopback"] > 0

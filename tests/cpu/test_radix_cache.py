@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixray.engine.memory import TokenSlotAllocator
-from radixray.engine.radix_cache import RadixCache, _common_prefix_len
+from radixray.engine.mem_cache.pool import TokenSlotAllocator
+from radixray.engine.mem_cache.radix_cache import RadixCache, _common_prefix_len
 
 
 def _nodes(cache: RadixCache) -> list:

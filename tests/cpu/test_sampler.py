@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from radixray.engine.sampler import SampleOutput, Sampler
+from radixray.engine.executor.sampler import SampleOutput, Sampler
 from radixray.engine.sampling import SamplingParams
 
 V = 32

@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixray.engine.sampler import NONFINITE_LOGITS, Sampler
+from radixray.engine.executor.sampler import NONFINITE_LOGITS, Sampler
 from radixray.engine.sampling import MAX_SEED, SamplingParams
 
 V = 48

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from radixray import Engine
-from radixray.engine.memory import kv_bytes_per_token
+from radixray.engine.mem_cache.pool import kv_bytes_per_token
 
 
 def _limits_line(caplog) -> str:

@@ -209,7 +209,7 @@ def test_a_request_living_through_an_update_reports_version_spans(tiny_llama_dir
 TRAINER = textwrap.dedent("""
     import sys, torch
     from safetensors.torch import load_file
-    from radixray.engine.weight_sync import WeightBroadcaster
+    from radixray.engine.weights.sync import WeightBroadcaster
     port, path = int(sys.argv[1]), sys.argv[2]
     tensors = load_file(path)
     sender = WeightBroadcaster("127.0.0.1", port, world_size=2, group_name="g", backend="gloo",
@@ -232,7 +232,7 @@ def _spawn_trainer(named: dict, folder) -> tuple[subprocess.Popen, int]:
 
 
 def test_distributed_update_from_a_trainer_process_over_gloo(tiny_qwen3_dir, tmp_path):
-    from radixray.engine.weight_sync import WeightBroadcaster
+    from radixray.engine.weights.sync import WeightBroadcaster
     hf = _hf(tiny_qwen3_dir)
     named = dict(sorted(perturb(hf, seed=7).items()))
     trainer, port = _spawn_trainer(named, tmp_path)
@@ -265,8 +265,8 @@ def test_default_model_takes_new_weights_by_every_path(tmp_path):
     against transformers' own GGUF loading, which takes 25 s here)."""
     from safetensors.torch import save_file
 
-    from radixray.engine.loader import resolve_model
-    from radixray.engine.weight_sync import WeightBroadcaster
+    from radixray.engine.weights.loader import resolve_model
+    from radixray.engine.weights.sync import WeightBroadcaster
     source = resolve_model("default")
     hf = _hf(source.path)
     prompts = [source.tokenizer.encode(p)

@@ -10,12 +10,12 @@ import torch
 from engine_helpers import GREEDY, in_thread, rand_ids, wait_until
 
 from radixray import Engine
-from radixray.engine.kv_manager import KVManager
-from radixray.engine.memory import ReqToTokenPool, TokenSlotAllocator
-from radixray.engine.pause import pause
-from radixray.engine.radix_cache import RadixCache
+from radixray.engine.mem_cache.kv_manager import KVManager
+from radixray.engine.mem_cache.pool import ReqToTokenPool, TokenSlotAllocator
+from radixray.engine.mem_cache.radix_cache import RadixCache
 from radixray.engine.request import Req
 from radixray.engine.sampling import SamplingParams
+from radixray.engine.sched.pause import pause
 
 POOL = 32
 

@@ -17,8 +17,9 @@ from radixray.cluster.messages import ChannelState, FleetHealth, WorkerEntry, Wo
 from radixray.cluster.router_client import RouterClient
 from radixray.cluster.routing import NoWorkerAvailable
 from radixray.engine.messages import MetaInfo, RequestUpdate
+from radixray.serve.api_error import ApiError, api_error_from
 from radixray.serve.dispatch import Dispatcher
-from radixray.serve.frontend import ApiError, Frontend, api_error_from
+from radixray.serve.frontend import Frontend
 
 
 class _Method:

@@ -17,7 +17,7 @@ from radixray.engine.attention.base import AttentionBackend
 from radixray.engine.attention.batch_invariant import BatchInvariantAttention
 from radixray.engine.attention.cpu_paged import CpuPagedAttention
 from radixray.engine.attention.torch_backend import TorchAttention
-from radixray.engine.memory import KVPool
+from radixray.engine.mem_cache.pool import KVPool
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "BatchInvariantAttention",
            "CpuPagedAttention", "TorchAttention", "create_attention_backend"]

@@ -6,8 +6,8 @@ import abc
 
 import torch
 
-from radixray.engine.forward_batch import ForwardBatch, ForwardMode
-from radixray.engine.memory import KVPool
+from radixray.engine.executor.forward_batch import ForwardBatch, ForwardMode
+from radixray.engine.mem_cache.pool import KVPool
 
 
 class AttentionBackend(abc.ABC):

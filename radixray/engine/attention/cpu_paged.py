@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from radixray.engine.attention.torch_backend import TorchAttention
-from radixray.engine.forward_batch import ForwardBatch, ForwardMode
+from radixray.engine.executor.forward_batch import ForwardBatch, ForwardMode
 
 
 class CpuPagedAttention(TorchAttention):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from radixray.engine.attention.base import AttentionBackend
-from radixray.engine.forward_batch import ForwardBatch, ForwardMode
+from radixray.engine.executor.forward_batch import ForwardBatch, ForwardMode
 
 
 class TorchAttention(AttentionBackend):

@@ -21,7 +21,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from radixray.engine.admission import CLIP_MAX_NEW_TOKENS, reserved_for_running
 from radixray.engine.disaggregation.messages import (
     PD_FAILED_STATUS,
     TIMEOUT_SCAN_S,
@@ -33,6 +32,7 @@ from radixray.engine.disaggregation.messages import (
     PeerGone,
 )
 from radixray.engine.request import FinishReason, Req
+from radixray.engine.sched.admission import CLIP_MAX_NEW_TOKENS, reserved_for_running
 
 logger = logging.getLogger("radixray.pd")
 

@@ -73,7 +73,7 @@ class PDLink:
 
     @staticmethod
     def _populate(kv_pool) -> None:
-        from radixray.engine.hugepages import populate_rows
+        from radixray.engine.mem_cache.hugepages import populate_rows
         seconds = populate_rows(kv_pool.k_buffers + kv_pool.v_buffers, 4096)
         if seconds:
             logger.info("decode KV pool faulted in (%.1f GB) in %.1f s",

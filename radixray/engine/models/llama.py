@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from radixray.engine.forward_batch import ForwardBatch, ForwardMode
+from radixray.engine.executor.forward_batch import ForwardBatch, ForwardMode
 from radixray.engine.models.layers import RMSNorm, RotaryEmbedding
 from radixray.kernels.cpu_ops import CpuKernels, reference_kernels
 from radixray.kernels.int8_linear import Int8Linear
@@ -153,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
     # ---- weight loading -------------------------------------------------------------
     def fused_shards(self) -> dict[str, tuple[tuple[str, int | None], ...]]:
         """Fused projection -> the Hugging Face projections stacked in it, in row order with
-        their row counts (read by :class:`~radixray.engine.weight_layout.WeightLayout`; None:
+        their row counts (read by :class:`~radixray.engine.weights.layout.WeightLayout`; None:
         an equal share of the rows the counted parts leave, as gate and up split a fused
         projection whose width differs between dense layers and shared experts)."""
         attn0 = self.layers[0].self_attn
@@ -164,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the (fused) parameters. ValueError names an
         unknown tensor, a wrong shape, or the tensors a full checkpoint lacks."""
-        from radixray.engine.weight_layout import WeightLayout, WeightStage
+        from radixray.engine.weights.layout import WeightLayout, WeightStage
         stage = WeightStage(WeightLayout(self), live=True)
         stage.add_all(weights)
         stage.check_complete()

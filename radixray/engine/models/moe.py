@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from radixray.engine.eplb_planner import ExpertPlacement
-from radixray.engine.forward_batch import ForwardBatch
-from radixray.engine.models.expert_map import ExpertMap
-from radixray.engine.models.expert_moves import MoveStats, move_expert_weights
+from radixray.engine.ep.eplb_planner import ExpertPlacement
+from radixray.engine.ep.expert_map import ExpertMap
+from radixray.engine.ep.expert_moves import MoveStats, move_expert_weights
+from radixray.engine.executor.forward_batch import ForwardBatch
 from radixray.engine.models.experts import ExpertDispatcher, Gate, LocalExperts, TopKRouter
 from radixray.engine.models.llama import LlamaForCausalLM, LlamaMLP
 from radixray.kernels.cpu_ops import CpuKernels
@@ -165,7 +165,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         """The expert computation of one MoE layer, holding ``expert_map.local`` slots."""
         em = self.expert_map
         if em.ep_size > 1:
-            from radixray.engine.models.ep_dispatch import make_expert_dispatcher
+            from radixray.engine.ep.factory import make_expert_dispatcher
             return make_expert_dispatcher(self.ep_dispatch_backend, em.placement.num_physical,
                                           hidden_size, self.moe.intermediate_size, kernels,
                                           rank=em.ep_rank, world_size=em.ep_size)
@@ -174,7 +174,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     @torch.inference_mode()
     def forward_idle(self) -> None:
         """Expert parallelism, a rank with no tokens this step: join every MoE layer's
-        exchange, in layer order, with an empty batch (engine/ep_group.py)."""
+        exchange, in layer order, with an empty batch (engine/ep/group.py)."""
         k = self.moe.top_k
         for block in self.moe_blocks:
             dtype = block.experts.down_proj.dtype
@@ -203,7 +203,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         the start or the last reset; each token counts once per chosen expert. Row ``i``
         is decoder layer ``moe.sparse_layers[i]``. Read it between forward passes (on the
         scheduler thread). With ``enable_eplb`` the engine's balancer resets it after every
-        pass and keeps the load in its window (``engine/eplb.py``)."""
+        pass and keeps the load in its window (``engine/ep/eplb.py``)."""
         counts = self.expert_counts.cpu().clone()
         if reset:
             self.expert_counts.zero_()
@@ -235,7 +235,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     def stacked_shards(self) -> dict[str, dict[str, tuple[tuple[str, int | None], ...]]]:
         """Parameters stacked over experts: ``experts.gate_up_proj[e]`` holds expert ``e``'s
         ``gate_proj`` then ``up_proj`` rows, ``experts.down_proj[e]`` its ``down_proj``
-        (read by :class:`~radixray.engine.weight_layout.WeightLayout`)."""
+        (read by :class:`~radixray.engine.weights.layout.WeightLayout`)."""
         return {"experts": {"gate_up_proj": (("gate_proj", None), ("up_proj", None)),
                             "down_proj": (("down_proj", None),)}}
 

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from radixray.engine.executor.forward_batch import ForwardBatch, ForwardMode
+from radixray.engine.executor.sampler import NONFINITE_LOGITS, _has_penalty, _wants_logprob
 from radixray.engine.faults import BATCH_FAULT_STATUS
-from radixray.engine.forward_batch import ForwardBatch, ForwardMode
 from radixray.engine.models.llama import LlamaForCausalLM
 from radixray.engine.request import FinishReason, Req
-from radixray.engine.sampler import NONFINITE_LOGITS, _has_penalty, _wants_logprob
 from radixray.engine.speculative.ngram import NgramIndex
 from radixray.engine.speculative.verify import accept_greedy, accept_sampled
 

@@ -1,0 +1,1 @@
+"""Expert parallelism: the EP group, dispatchers (collectives, DeepEP), expert placement and EPLB."""

@@ -1,0 +1,75 @@
+"""The tensors one forward pass needs, built by the model runner from a scheduled batch."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from radixray.engine.request import Req
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill: each request adds one or more tokens after an optional cached prefix
+    DECODE = "decode"  # each request adds exactly one token
+
+
+@dataclass
+class ForwardBatch:
+    """Packed inputs of one step.
+
+    Tokens of all requests are concatenated in batch order: request ``i`` owns
+    ``extend_lens[i]`` consecutive rows. ``prefix_lens[i]`` tokens of request ``i``
+    already have KV in the pool; after the step it has ``seq_lens[i]`` tokens.
+    ``out_cache_loc`` holds the KV slot each new token writes.
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64
+    req_rows: torch.Tensor  # [B] int64 rows of ReqToTokenPool
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    seq_lens: list[int]
+    # Filled by the attention backend's init_forward_metadata, once per step.
+    attn_metadata: dict = field(default_factory=dict)
+    # Extend only: logits for every new token, not just each request's last (scoring).
+    all_logits: bool = False
+    # Requests that asked for their routed experts: (request, first row, rows, position of
+    # the first row). When any did, a MoE model leaves every row's top-k logical expert
+    # ids in ``routed_experts`` [T, MoE layers, top_k] (the model runner hands them out).
+    route_captures: list[tuple[Req, int, int, int]] = field(default_factory=list)
+    routed_experts: torch.Tensor | None = None
+    # Mixed chunked prefill (engine/sched/mixed_batch.py): the last ``num_decode`` requests of an
+    # extend batch are decode requests, one token each at position ``prefix_lens[i]``;
+    # attention runs them as a decode (attention/base.py ``split_mixed``).
+    num_decode: int = 0
+
+    def to_device(self, device: str) -> None:
+        """Move the token-wise tensors (ids, positions, cache slots) to ``device``.
+
+        ``req_rows`` stays on the CPU: it indexes the request table, which lives there."""
+        self.input_ids = self.input_ids.to(device, non_blocking=True)
+        self.positions = self.positions.to(device, non_blocking=True)
+        self.out_cache_loc = self.out_cache_loc.to(device, non_blocking=True)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def last_token_rows(self) -> torch.Tensor:
+        """Row index of each request's last new token (where its next-token logits come from),
+        on the device of ``input_ids``."""
+        device = self.input_ids.device
+        if self.mode is ForwardMode.DECODE:
+            return torch.arange(self.batch_size, device=device)
+        ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0)
+        return (ends - 1).to(device)

@@ -1,3 +1,0 @@
-"""Hierarchical KV cache (HiCache): a host tier and an optional storage tier under the
-radix cache (manager.py), the host tier's store (host_pool.py) and the storage backends
-(storage.py). Built by :func:`radixray.engine.kv_manager.create_kv_manager`."""

@@ -1,0 +1,1 @@
+"""KV memory: the pool and its allocator, the radix cache, HiCache tiers, memory release, huge pages, the KV audit."""

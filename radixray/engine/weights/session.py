@@ -1,0 +1,345 @@
+"""Weight-update sessions and the weight version of one engine (RL: the trainer pushes weights).
+
+A session is ``begin`` -> any number of ``update_from_tensor`` / ``update_from_disk`` /
+``update_from_distributed`` calls (Hugging Face names, any subset, in any order) ->
+``end(version)``. Tensors are staged beside the serving weights
+(:mod:`radixray.engine.weights.layout`), so generation goes on while they arrive and a
+failed session leaves the old weights serving: an unknown name or a wrong shape
+ends the session at once with a ValueError naming the tensor.
+
+``end`` is three steps, kept apart for fleet-wide updates that must land on every
+worker or on none: :meth:`WeightUpdater.prepare` (fill rows not sent, repack int8
+layers once; nothing serving changes), :meth:`WeightUpdater.commit` (on the scheduler
+thread between steps: swap the new tensors in, bump the version, start a new
+``weight_spans`` entry on every live request, retire the prefix cache's old KV) and
+:meth:`WeightUpdater.finish` (drop the old tensors); :meth:`WeightUpdater.rollback`
+undoes a commit not yet finished.
+
+Versions are integers that only grow: the first load is version 0, and each session
+names a version greater than the current one.
+
+A session stages against the expert placement it began on (EPLB: which slots hold
+copies of which expert), so the placement must hold still from ``begin`` to
+``finish``: a rebalance takes :meth:`WeightUpdater.exclusive` and runs only when no
+session is open, and ``begin`` waits while a rebalance holds it.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from radixray.engine.messages import DEFAULT_GROUP  # noqa: F401 - part of this module's API
+from radixray.engine.weights.layout import Prepared, Undo, WeightLayout, WeightStage
+from radixray.engine.weights.sync import broadcast, close_group, dtype_from_name, open_group
+
+logger = logging.getLogger(__name__)
+
+SESSION_OPEN = "a weight-update session is open"  # WeightUpdater.exclusive's reason
+
+
+def check_version(version, current: int) -> int:
+    """``version`` as an int greater than ``current``; ValueError names the bound."""
+    if isinstance(version, bool) or not isinstance(version, int) or version <= current:
+        raise ValueError(f"weight_version must be an integer greater than the current weight "
+                         f"version {current}, got {version!r}")
+    return version
+
+
+def safetensors_files(path: str) -> list[str]:
+    """The ``*.safetensors`` files of a Hugging Face folder, or ``[path]`` for one file."""
+    if os.path.isfile(path) and path.endswith(".safetensors"):
+        return [path]
+    if os.path.isdir(path):
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if files:
+            return files
+        raise FileNotFoundError(f"model_path {path!r} holds no *.safetensors files")
+    raise FileNotFoundError(f"model_path {path!r} is neither a folder nor a .safetensors file")
+
+
+class WeightUpdater:
+    """The session state and weight version of one engine. Session calls are thread-safe
+    (one at a time); :meth:`commit` and :meth:`rollback` run on the scheduler thread."""
+
+    def __init__(self, runner, scheduler, memory):
+        self.runner = runner
+        self.scheduler = scheduler
+        self.memory = memory
+        self.version = 0
+        self._layout: WeightLayout | None = None
+        self._stage: WeightStage | None = None
+        self._prepared: tuple[int, Prepared] | None = None
+        self._undo: tuple[int, Undo] | None = None
+        self._groups: dict[str, tuple[object, int]] = {}  # name -> (process group, our rank)
+        self._phases: dict[str, float] = {}
+        self._lock = threading.RLock()
+        self._ended = threading.Condition(self._lock)  # notified when a session ends
+        self.last: dict | None = None  # the result of the last finished update
+
+    # ---- session -----------------------------------------------------------------------
+    @property
+    def in_session(self) -> bool:
+        return self._stage is not None
+
+    @property
+    def session_open(self) -> bool:
+        """From ``begin`` until the session is finished, aborted or rolled back."""
+        return self._stage is not None or self._undo is not None
+
+    @contextmanager
+    def exclusive(self) -> Iterator[str | None]:
+        """Hold sessions off while the body rewrites weights in place (an EPLB rebalance on
+        the scheduler thread). Yields None when it may, else why not: a session is open,
+        a session call holds the lock now, or the weights are released. Never blocks."""
+        if not self._lock.acquire(blocking=False):
+            yield SESSION_OPEN
+            return
+        try:
+            if self.session_open:
+                yield SESSION_OPEN
+            elif "weights" in self.memory.released:
+                yield "the weights are released (resume_memory_occupation first)"
+            else:
+                yield None
+        finally:
+            self._lock.release()
+
+    def wait_until_closed(self, timeout: float) -> bool:
+        """Block until no session is open (True) or ``timeout`` seconds pass (False)."""
+        with self._lock:
+            return self._ended.wait_for(lambda: not self.session_open, timeout)
+
+    def _closed(self) -> None:
+        """A session ended (lock held): wake whoever waits for it."""
+        self._ended.notify_all()
+
+    def begin(self) -> None:
+        with self._lock:
+            if self._stage is not None or self._undo is not None:
+                raise ValueError("a weight update session is already open: end_weight_update or "
+                                 "abort_weight_update first")
+            if self._layout is None or self._layout.stale():
+                self._layout = WeightLayout(self.runner.model)
+            # Released weights mean a colocated trainer just ran: memory is fragmented, and
+            # faulting huge pages would wait on compaction (see WeightStage).
+            self._stage = WeightStage(self._layout,
+                                      fault_huge_pages="weights" not in self.memory.released)
+            self._prepared = None
+            self._phases = {"transfer": 0.0}
+
+    def abort(self) -> bool:
+        """Drop the open session (nothing serving changes); False if none was open. A commit
+        not yet finished is rolled back by :meth:`rollback`, not here."""
+        with self._lock:
+            was = self._stage is not None
+            self._stage = self._prepared = None
+            self._closed()
+            return was
+
+    def _stage_or_raise(self, call: str) -> WeightStage:
+        if self._stage is None:
+            raise ValueError(f"{call}: no weight update session is open; call begin_weight_update "
+                             f"first")
+        if self._prepared is not None:
+            raise ValueError(f"{call}: the session is already prepared; commit or abort it")
+        return self._stage
+
+    def _staging(self, call: str, fill) -> dict:
+        """Run ``fill(stage)``; any failure ends the session (all or nothing) and re-raises."""
+        with self._lock:
+            stage = self._stage_or_raise(call)
+            before, t0 = (stage.tensors, stage.bytes), time.perf_counter()
+            try:
+                fill(stage)
+            except Exception as exc:
+                self._stage = None
+                self._closed()
+                logger.warning("weight update session failed and was dropped: %s", exc)
+                raise
+            self._phases["transfer"] += time.perf_counter() - t0
+            return {"tensors": stage.tensors - before[0], "bytes": stage.bytes - before[1]}
+
+    def update_from_tensor(self, named: Iterable[tuple[str, torch.Tensor]] | dict) -> dict:
+        """Stage ``(name, tensor)`` pairs (or a dict); numpy arrays are taken as tensors."""
+        items = named.items() if isinstance(named, dict) else named
+
+        def fill(stage: WeightStage) -> None:
+            for name, tensor in items:
+                stage.add(name, torch.as_tensor(tensor))
+        return self._staging("update_weights_from_tensor", fill)
+
+    def update_from_disk(self, path: str) -> dict:
+        """Stage every tensor of a Hugging Face folder's (or one file's) safetensors. A folder
+        is a whole checkpoint: one that lacks a tensor fails the session (a truncated copy
+        must not serve); a single file may hold any subset (a delta)."""
+        from safetensors import safe_open
+
+        def fill(stage: WeightStage) -> None:
+            for file in safetensors_files(path):
+                with safe_open(file, framework="pt") as st:
+                    for name in st.keys():
+                        stage.add(name, st.get_tensor(name))
+            missing = stage.missing() if os.path.isdir(path) else []
+            if missing:
+                raise ValueError(f"checkpoint folder {path!r} is missing {len(missing)} tensors, "
+                                 f"e.g. {missing[:3]}")
+        return self._staging("update_weights_from_disk", fill)
+
+    # ---- torch.distributed -------------------------------------------------------------
+    def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                   group_name: str = DEFAULT_GROUP, backend: str = "gloo",
+                   timeout_s: float = 600.0) -> dict:
+        """Join ``group_name`` as rank ``rank_offset`` (the trainer is rank 0); blocks until
+        every rank joined."""
+        if group_name in self._groups:
+            raise ValueError(f"weight update group {group_name!r} already exists on this engine")
+        if rank_offset < 1:
+            raise ValueError(f"rank_offset must be >= 1 (the trainer is rank 0), got {rank_offset}")
+        group = open_group(master_address, master_port, rank_offset, world_size, group_name, backend,
+                           timeout_s)
+        self._groups[group_name] = (group, rank_offset)
+        return {"group_name": group_name, "rank": rank_offset, "world_size": world_size}
+
+    def destroy_group(self, group_name: str = DEFAULT_GROUP) -> bool:
+        """Leave ``group_name``; False if this engine is not in it."""
+        entry = self._groups.pop(group_name, None)
+        if entry is not None:
+            close_group(entry[0])
+        return entry is not None
+
+    def close(self) -> None:
+        """Leave every weight-update group (engine shutdown)."""
+        for name in list(self._groups):
+            self.destroy_group(name)
+
+    def update_from_distributed(self, names: list[str], dtypes: list, shapes: list,
+                                group_name: str = DEFAULT_GROUP) -> dict:
+        """Receive one broadcast from rank 0 per name, in order, and stage it. The names and
+        shapes are checked before the first receive, so a bad request fails before the
+        trainer sends (the trainer then sees its broadcast fail or time out)."""
+        if group_name not in self._groups:
+            raise ValueError(f"no weight update group {group_name!r}: call "
+                             f"init_weights_update_group first")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(f"names, dtypes and shapes must have one entry per tensor; got "
+                             f"{len(names)}, {len(dtypes)} and {len(shapes)}")
+        group, _ = self._groups[group_name]
+        device = self.runner.device
+
+        def fill(stage: WeightStage) -> None:
+            kinds = [dtype_from_name(d) for d in dtypes]
+            for name, shape in zip(names, shapes):  # validate everything before receiving
+                shard = stage.shard(name)
+                if shard is not None and tuple(shard.shape) != tuple(shape):
+                    raise ValueError(f"tensor {name!r} has shape {tuple(shape)}; the model "
+                                     f"expects {shard.shape}")
+            for name, dtype, shape in zip(names, kinds, shapes):
+                target = stage.buffer_for(name, dtype)
+                if target is not None and target.is_contiguous():
+                    broadcast(group, target)
+                    stage.mark_written(name)
+                    continue
+                tmp = torch.empty(tuple(shape), dtype=dtype, device=device)
+                broadcast(group, tmp)
+                stage.add(name, tmp)
+        return self._staging("update_weights_from_distributed", fill)
+
+    # ---- ending a session ----------------------------------------------------------------
+    def prepare(self, version) -> dict:
+        """Validate the version and finish the staged weights (nothing serving changes).
+        ValueError ends the session."""
+        with self._lock:
+            stage = self._stage_or_raise("end_weight_update")
+            t0 = time.perf_counter()
+            try:
+                version = check_version(version, self.version)
+                missing = stage.missing() if "weights" in self.memory.released else []
+                if missing:
+                    raise ValueError(
+                        f"the weights are released, so an update must replace all of them (or "
+                        f"resume_memory_occupation(['weights']) first); {len(missing)} tensors "
+                        f"were not sent, e.g. {missing[:3]}")
+                prepared = stage.prepare()
+            except Exception:
+                self._stage = None
+                self._closed()
+                raise
+            self._prepared = (version, prepared)
+            self._phases["load"] = time.perf_counter() - t0
+            return {"weight_version": version, "tensors": prepared.tensors, "bytes": prepared.bytes}
+
+    def commit(self, scheduler) -> int:
+        """Scheduler thread: the prepared weights go live; returns the new version."""
+        with self._lock:
+            if self._prepared is None:
+                raise ValueError("commit: no prepared weight update (call prepare first)")
+            t0 = time.perf_counter()
+            version, prepared = self._prepared
+            self._undo = (self.version, prepared.commit())
+            self._stage = self._prepared = None
+            self._set_version(scheduler, version)
+            self._phases["commit"] = time.perf_counter() - t0
+            return version
+
+    def rollback(self, scheduler) -> bool:
+        """Scheduler thread: undo a commit not yet finished (the old weights and version
+        serve again); False if there is none."""
+        with self._lock:
+            if self._undo is None:
+                return False
+            old_version, undo = self._undo
+            undo.rollback()
+            self._undo = None
+            self._closed()
+            self._set_version(scheduler, old_version)
+            logger.warning("weight update rolled back; weight version %d serves again", old_version)
+            return True
+
+    def finish(self) -> dict:
+        """Forget the old weights of the last commit (their memory goes) and report it."""
+        with self._lock:
+            if self._undo is None:
+                raise ValueError("finish: no committed weight update to finish")
+            previous, _ = self._undo
+            self._undo = None
+            self._closed()
+            # Released weights were replaced whole: only what no update sends (the rotary
+            # tables) is read back; a rollback before this point still finds them released.
+            self.memory.replaced()
+            self.last = {"weight_version": self.version, "previous_version": previous,
+                         "phases": dict(self._phases)}
+            logger.info("weights updated to version %d (from %d): %s", self.version, previous,
+                        ", ".join(f"{k} {v:.3f} s" for k, v in self._phases.items()))
+            return dict(self.last)
+
+    def _set_version(self, scheduler, version: int) -> None:
+        """Bump the version and mark where each live request's tokens switch weights."""
+        self.version = version
+        scheduler.kv.on_weight_version(version)
+        live = scheduler.waiting + scheduler.running
+        if scheduler.chunked_req is not None:
+            live.append(scheduler.chunked_req)
+        for req in live:
+            start_new_span(req, version)
+
+
+def start_new_span(req, version: int) -> None:
+    """From its next token on, ``req``'s output comes from weights ``version``."""
+    spans = req.weight_spans
+    if not spans:  # not admitted yet: everything it will produce comes from ``version``
+        return
+    n = len(req.output_ids)
+    if spans[-1][1] == n:  # the last version produced nothing for it
+        spans[-1][0] = version
+        if len(spans) > 1 and spans[-2][0] == version:
+            spans.pop()
+    else:
+        spans.append([version, n])
