@@ -28,12 +28,12 @@ def wait_until(engine: Engine, pred, timeout: float = 30.0) -> None:
 
 
 def is_running(rid: str, min_outputs: int = 1):
-    return lambda s: any(r.rid == rid and len(r.output_ids) >= min_outputs for r in s.running)
+    return lambda s: any(r.rid == rid and len(r.output_ids) >= min_outputs for r in s.queues.running)
 
 
 def is_gone(rid: str):
-    return lambda s: all(r.rid != rid for r in s.running + s.waiting) and (
-        s.chunked_req is None or s.chunked_req.rid != rid)
+    return lambda s: all(r.rid != rid for r in s.queues.running + s.queues.waiting) and (
+        s.queues.chunked is None or s.queues.chunked.rid != rid)
 
 
 def in_thread(fn, **kwargs):

@@ -190,8 +190,7 @@ class EngineWorker:
         limit = self.max_queued_requests
         if limit is None:
             return
-        scheduler = self.engine.scheduler
-        queued = len(scheduler.waiting) + scheduler.inbox.qsize()
+        queued = self.engine.scheduler.num_queued()
         if queued + incoming > limit:
             raise WorkerQueueFull(
                 f"worker {self.worker_id} has {queued} requests waiting for admission "
@@ -308,12 +307,10 @@ class EngineWorker:
 
     async def pause_generation(self, mode: str = "abort") -> int:
         """See :meth:`radixray.Engine.pause_generation`."""
-        from radixray.engine.sched.pause import pause
-        return await self._in_loop(lambda s: pause(s, mode))
+        return await self._in_loop(lambda s: s.pause(mode))
 
     async def continue_generation(self) -> bool:
-        from radixray.engine.sched.pause import resume
-        return await self._in_loop(resume)
+        return await self._in_loop(lambda s: s.resume())
 
     async def rebalance_experts(self) -> dict:
         """See :meth:`radixray.Engine.rebalance_experts` (waits for a weight-update session
@@ -417,7 +414,7 @@ class EngineWorker:
         def check(s) -> dict:
             s.check_kv_conservation()
             return {"free": s.kv.allocator.available_size(), "cached": s.kv.cache.total_size(),
-                    "pool": s.kv.pool_size, "running": len(s.running), "waiting": len(s.waiting)}
+                    "pool": s.kv.pool_size, "running": s.num_running, "waiting": s.num_waiting}
         return await self._in_loop(check)
 
     async def metric_families(self) -> list:

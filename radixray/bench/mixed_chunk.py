@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import statistics
 import time
@@ -30,7 +29,6 @@ from radixray.bench import (
     standalone_main,
 )
 from radixray.bench.serve_metrics import RequestRecord, summarize
-from radixray.engine.sched.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +71,8 @@ def set_mode(engine, chunk_size: int, mixed: bool) -> None:
     (the same prompts run again) and fresh counters. One engine serves every run, so model
     loading (a minute for int8 on a busy 2-vCPU host) is paid once."""
     def apply(s) -> None:
-        s.config = dataclasses.replace(s.config, chunked_prefill_size=chunk_size,
-                                       enable_mixed_chunk=mixed)
-        s.stats = SchedulerStats()
-        s.ratio.reset()
+        s.reconfigure(chunked_prefill_size=chunk_size, enable_mixed_chunk=mixed)
+        s.reset_stats()
     engine.call_in_loop(apply)
     assert engine.flush_cache(), "the prefix cache could not be flushed between runs"
 

@@ -43,7 +43,7 @@ def _decode_run(eng, prompts: list[list[int]], new_tokens: int) -> dict:
 
 
 def _hidden(s) -> float:
-    return s.overlap.stats.hidden_s if s.overlap is not None else 0.0
+    return s.overlap_stats.hidden_s if s.overlap_stats is not None else 0.0
 
 
 def run(args) -> dict:
@@ -62,7 +62,7 @@ def run(args) -> dict:
         for _ in range(args.repeats):
             for mode, eng in engines.items():
                 runs[mode].append(_decode_run(eng, prompts, args.max_new_tokens))
-        overlap = engines["on"].call_in_loop(lambda s: s.overlap.stats.snapshot())
+        overlap = engines["on"].call_in_loop(lambda s: s.overlap_stats.snapshot())
     finally:
         for eng in engines.values():
             eng.shutdown()

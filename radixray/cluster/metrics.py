@@ -40,8 +40,8 @@ def scheduler_snapshot(scheduler) -> WorkerLoad:
     used, usage = scheduler.token_usage()
     return WorkerLoad(
         num_used_tokens=used, max_total_num_tokens=scheduler.kv.pool_size,
-        num_running_reqs=len(scheduler.running), num_queue_reqs=len(scheduler.waiting),
-        token_usage=usage, gen_throughput=st.gen_throughput if scheduler.running else 0.0,
+        num_running_reqs=scheduler.num_running, num_queue_reqs=scheduler.num_waiting,
+        token_usage=usage, gen_throughput=st.gen_throughput if scheduler.num_running else 0.0,
         prompt_tokens=st.prompt_tokens, generation_tokens=st.generation_tokens,
         prefill_input_tokens=st.prefill_input_tokens,
         prefill_cached_tokens=st.prefill_cached_tokens,
@@ -52,7 +52,7 @@ def scheduler_snapshot(scheduler) -> WorkerLoad:
         eplb=eplb.snapshot() if (eplb := getattr(scheduler.runner, "eplb", None)) else None,
         hicache=scheduler.kv.tier_snapshot(),
         grammar=scheduler.grammar.snapshot(),
-        spec=spec.stats.snapshot() if (spec := getattr(scheduler, "spec", None)) else None)
+        spec=spec.snapshot() if (spec := scheduler.spec_stats) is not None else None)
 
 
 class WorkerMetrics:

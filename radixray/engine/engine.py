@@ -307,13 +307,11 @@ class Engine:
         to the queue (KV freed), ``in_place`` holds them with their KV (see engine/sched/pause.py).
         New requests wait until :meth:`continue_generation`. Returns how many requests the
         mode touched; ValueError names a bad mode."""
-        from radixray.engine.sched.pause import pause
-        return self.call_in_loop(lambda s: pause(s, mode))
+        return self.call_in_loop(lambda s: s.pause(mode))
 
     def continue_generation(self) -> bool:
         """Schedule again after :meth:`pause_generation`; False if it was not paused."""
-        from radixray.engine.sched.pause import resume
-        return self.call_in_loop(resume)
+        return self.call_in_loop(lambda s: s.resume())
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
         """Give back the memory of ``tags`` (``kv_cache``, ``weights``; None: both) while
@@ -398,7 +396,7 @@ class Engine:
         def check(s: Scheduler) -> dict:
             s.check_kv_conservation()
             return {"free": s.kv.allocator.available_size(), "cached": s.kv.cache.total_size(),
-                    "pool": s.kv.pool_size, "running": len(s.running), "waiting": len(s.waiting)}
+                    "pool": s.kv.pool_size, "running": s.num_running, "waiting": s.num_waiting}
         return self.call_in_loop(check)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:

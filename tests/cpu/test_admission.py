@@ -177,7 +177,7 @@ def record_steps(engine: Engine) -> list[tuple[int, int]]:
     """(running, waiting) after every scheduler step, appended on the scheduler thread."""
     history: list[tuple[int, int]] = []
     engine.call_in_loop(lambda s: setattr(
-        s, "on_step", lambda sched: history.append((len(sched.running), len(sched.waiting)))))
+        s, "on_step", lambda sched: history.append((len(sched.queues.running), len(sched.queues.waiting)))))
     return history
 
 

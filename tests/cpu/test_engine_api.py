@@ -72,7 +72,7 @@ def test_bad_input_is_rejected_before_anything_is_scheduled(eng):
         with pytest.raises(ValueError, match="one prompt"):
             stream(eng, input_ids=[[1, 2], [3]])
         assert submitted == ["bystander"]
-        state = eng.call_in_loop(lambda s: ([r.rid for r in s.running], len(s.waiting)))
+        state = eng.call_in_loop(lambda s: ([r.rid for r in s.queues.running], len(s.queues.waiting)))
         assert state in ((["bystander"], 0), ([], 0))
         thread.join(30)
     finally:
@@ -216,13 +216,13 @@ def test_stream_holds_back_incomplete_utf8(eng):
     # The test only means something if characters are split across byte tokens.
     assert sum(FFFD in tok.decode([t]) for t in script) >= 10
     real = eng.call_in_loop(lambda s: s.sampler)
-    eng.call_in_loop(lambda s: setattr(s, "sampler", ScriptedSampler(script)))
+    eng.call_in_loop(lambda s: setattr(s.output, "sampler", ScriptedSampler(script)))
     try:
         params = {"max_new_tokens": len(script), "ignore_eos": True}
         chunks = stream(eng, input_ids=[5, 6, 7], sampling_params=params)
         full = eng.generate(input_ids=[5, 6, 7], sampling_params=params)
     finally:
-        eng.call_in_loop(lambda s: setattr(s, "sampler", real))
+        eng.call_in_loop(lambda s: setattr(s.output, "sampler", real))
     assert full["output_ids"] == script and full["text"] == target
     texts = [c["text"] for c in chunks]
     assert "".join(texts) == target

@@ -142,8 +142,8 @@ def test_priority_preempts_only_as_many_as_needed(tiny_llama_dir):
         low_params = {**GREEDY, "max_new_tokens": 200}
         thread, low = in_thread(eng.generate, input_ids=lows, sampling_params=low_params,
                                 rid=["low-a", "low-b"], priority=0)
-        wait_until(eng, lambda s: len(s.running) == 2 and
-                   min(len(r.output_ids) for r in s.running) >= 10)
+        wait_until(eng, lambda s: len(s.queues.running) == 2 and
+                   min(len(r.output_ids) for r in s.queues.running) >= 10)
         high = eng.generate(input_ids=rand_ids(vocab, 20, seed=18),
                             sampling_params={**GREEDY, "max_new_tokens": 10}, priority=50)
         thread.join(60)
@@ -223,8 +223,8 @@ def test_abort_waiting_and_chunked_requests(tiny_llama_dir):
                                    rid="chunky", sampling_params={"max_new_tokens": 5})
 
         def abort_mid_prefill(s):
-            if s.chunked_req is not None and s.chunked_req.rid == "chunky" \
-                    and s.chunked_req.kv_len >= 32:
+            if s.queues.chunked is not None and s.queues.chunked.rid == "chunky" \
+                    and s.queues.chunked.kv_len >= 32:
                 return s.abort("chunky", "test abort")
             return False
         wait_until(eng, abort_mid_prefill)
@@ -243,7 +243,7 @@ def test_abort_waiting_and_chunked_requests(tiny_llama_dir):
         wait_until(eng, is_running("runner"))
         t_wait, queued = in_thread(eng.generate, input_ids=rand_ids(vocab, 10, seed=23),
                                    rid="queued", sampling_params=params)
-        wait_until(eng, lambda s: any(r.rid == "queued" for r in s.waiting))
+        wait_until(eng, lambda s: any(r.rid == "queued" for r in s.queues.waiting))
         eng.abort("queued")
         t_wait.join(30)
         t_run.join(30)
@@ -262,7 +262,7 @@ def test_shutdown_ends_unfinished_requests(tiny_llama_dir):
     t_run, running = in_thread(eng.generate, input_ids=[1, 2, 3], rid="running", sampling_params=params)
     wait_until(eng, is_running("running"))
     t_wait, waiting = in_thread(eng.generate, input_ids=[4, 5, 6], rid="waiting", sampling_params=params)
-    wait_until(eng, lambda s: len(s.waiting) == 1)
+    wait_until(eng, lambda s: len(s.queues.waiting) == 1)
 
     async def read_stream(got: list):
         async for chunk in eng.generate_stream(input_ids=[7, 8], sampling_params=params):
@@ -270,7 +270,7 @@ def test_shutdown_ends_unfinished_requests(tiny_llama_dir):
     chunks: list = []
     t_stream = threading.Thread(target=lambda: asyncio.run(read_stream(chunks)), daemon=True)
     t_stream.start()
-    wait_until(eng, lambda s: len(s.waiting) == 2)
+    wait_until(eng, lambda s: len(s.queues.waiting) == 2)
     eng.shutdown()
     for t in (t_run, t_wait, t_stream):
         t.join(10)

@@ -22,7 +22,7 @@ def _reason(out: dict) -> dict:
 
 def decoding(s) -> bool:
     """wait_until predicate: some request has produced a token and decodes."""
-    return any(r.output_ids for r in s.running)
+    return any(r.output_ids for r in s.queues.running)
 
 
 def _catch(fn, *args):
@@ -175,7 +175,7 @@ def test_decode_fault_cleans_every_slot_of_a_big_batch(fresh):
     prompts = [f"prompt number {i}" for i in range(8)]
     t, box = in_thread(fresh.generate, prompt=prompts, sampling_params={
         "max_new_tokens": 300, **GREEDY})
-    wait_until(fresh, lambda s: len(s.running) == 8 and all(r.output_ids for r in s.running))
+    wait_until(fresh, lambda s: len(s.queues.running) == 8 and all(r.output_ids for r in s.queues.running))
     fresh.inject_faults(1)
     t.join(60)
     assert {_reason(o)["type"] for o in box["out"]} == {"error"}

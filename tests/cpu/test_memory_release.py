@@ -147,7 +147,7 @@ def test_each_refusal_changes_nothing_and_the_engine_serves_afterwards(tiny):
     # in_place keeps running requests' KV: kv_cache cannot go, weights can (test below)
     t, box = in_thread(tiny.generate, prompt="held in place",
                        sampling_params={**PARAMS, "max_new_tokens": 400})
-    wait_until(tiny, lambda s: any(r.output_ids for r in s.running))
+    wait_until(tiny, lambda s: any(r.output_ids for r in s.queues.running))
     assert tiny.pause_generation("in_place") == 1
     kv_before = tiny.check_kv_conservation()
     for tags in (["kv_cache"], None):
@@ -189,7 +189,7 @@ def test_weights_go_and_come_back_under_an_in_place_pause(tiny):
     params = {**PARAMS, "max_new_tokens": 60}
     want = tiny.generate("in place", params)["output_ids"]
     t, box = in_thread(tiny.generate, prompt="in place", sampling_params=params)
-    wait_until(tiny, lambda s: any(len(r.output_ids) > 5 for r in s.running))
+    wait_until(tiny, lambda s: any(len(r.output_ids) > 5 for r in s.queues.running))
     assert tiny.pause_generation("in_place") == 1
     nbytes = weight_bytes(tiny)
     assert tiny.release_memory_occupation(["weights"])["bytes"] == nbytes

@@ -22,7 +22,6 @@ from model_fixtures import (
 )
 
 from radixray import Engine
-from radixray.engine.sched.pause import pause
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 LOGPROBS = {**GREEDY, "return_logprob": True, "top_logprobs_num": 3}
@@ -44,9 +43,9 @@ def arrive_mid_decode(eng: Engine, first: list[list[int]], later: list[list[int]
     s = eng.scheduler
 
     def pause_after_two_tokens(sched) -> None:
-        if sched.running and all(len(r.output_ids) >= 2 for r in sched.running):
+        if sched.queues.running and all(len(r.output_ids) >= 2 for r in sched.queues.running):
             sched.on_step = None
-            pause(sched, "in_place")
+            sched.pause("in_place")
 
     eng.pause_generation("in_place")
     threads = []
@@ -55,13 +54,13 @@ def arrive_mid_decode(eng: Engine, first: list[list[int]], later: list[list[int]
         first = first[1:]
     if first:
         threads.append(in_thread(eng.generate, input_ids=first, sampling_params=params))
-    wait_until(eng, lambda sched: len(sched.waiting) == len(first) + stream_first)
+    wait_until(eng, lambda sched: len(sched.queues.waiting) == len(first) + stream_first)
     s.on_step = pause_after_two_tokens
     eng.continue_generation()
     wait_until(eng, lambda sched: sched.paused is not None)
     threads.append(in_thread(eng.generate, input_ids=later,
                              sampling_params=later_params or params))
-    wait_until(eng, lambda sched: len(sched.waiting) == len(later))
+    wait_until(eng, lambda sched: len(sched.queues.waiting) == len(later))
     eng.continue_generation()
     results = []
     for t, box in threads:
@@ -175,23 +174,17 @@ def test_sampled_n_copies_same_bits_in_deterministic_mode(tiny_llama_dir):
 
 def test_riders_take_at_most_half_the_chunk():
     from radixray.engine.sched.admission import PrefillBudget
-    from radixray.engine.sched.mixed_batch import reserve_decode_tokens
-
-    class Sched:  # the two attributes reserve_decode_tokens reads
-        def __init__(self, running: int, mixed: bool = True):
-            self.running = [object()] * running
-            self.config = type("C", (), {"enable_mixed_chunk": mixed})()
 
     budget = PrefillBudget(rem_total_tokens=1000, rem_input_tokens=500, rem_chunk_tokens=64)
-    reserve_decode_tokens(Sched(40), budget)
+    budget.reserve_riders(40)
     assert (budget.rem_total_tokens, budget.rem_input_tokens, budget.rem_chunk_tokens) == \
         (960, 460, 32)
     budget = PrefillBudget(rem_total_tokens=1000, rem_input_tokens=500, rem_chunk_tokens=None)
-    reserve_decode_tokens(Sched(8), budget)
+    budget.reserve_riders(8)
     assert (budget.rem_total_tokens, budget.rem_input_tokens, budget.rem_chunk_tokens) == \
         (992, 492, None)
     budget = PrefillBudget(rem_total_tokens=1000, rem_input_tokens=500, rem_chunk_tokens=64)
-    reserve_decode_tokens(Sched(8, mixed=False), budget)
+    budget.reserve_riders(0)  # mixing off: no riders
     assert (budget.rem_total_tokens, budget.rem_chunk_tokens) == (1000, 64)
 
 

@@ -117,14 +117,14 @@ def test_accept_length_on_repetitive_text(plain, spec):
     ref = plain.generate(input_ids=REPETITIVE, sampling_params=params)["output_ids"]
     repeats = sum(a == b for a, b in zip(ref, ref[1:]))
     assert repeats >= len(ref) // 2, ref  # most tokens repeat the one before: repetitive
-    before = spec.scheduler.spec.stats.snapshot()
+    before = spec.scheduler.spec_stats.snapshot()
     out = spec.generate(input_ids=REPETITIVE, sampling_params=params)
     assert out["output_ids"] == ref
     meta = out["meta_info"]
     print(f"accept length on repetitive text: {meta['spec_accept_length']:.2f} "
           f"({meta['spec_verify_ct']} verify forwards for {len(ref)} tokens)")
     assert meta["spec_accept_length"] > 1.5
-    after = spec.scheduler.spec.stats.snapshot()
+    after = spec.scheduler.spec_stats.snapshot()
     assert after["verify_steps"] > before["verify_steps"]
     from radixray.cluster.metrics import scheduler_snapshot
     snap = spec.call_in_loop(scheduler_snapshot)
@@ -224,7 +224,7 @@ def test_retraction_keeps_outputs_and_kv(tiny_llama_dir, plain):
                  schedule_conservativeness=0.3) as eng:
         outs = eng.generate(input_ids=prompts, sampling_params=params)
         assert eng.scheduler.stats.num_retracted_reqs > 0
-        assert eng.scheduler.spec.stats.verify_steps > 0
+        assert eng.scheduler.spec_stats.verify_steps > 0
         state = eng.check_kv_conservation()
         assert state["running"] == state["waiting"] == 0
     assert [o["output_ids"] for o in outs] == refs

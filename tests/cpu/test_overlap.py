@@ -62,7 +62,7 @@ def _run(model_dir: str, overlap: bool, **options) -> tuple[list, dict]:
             "temperature": 0.0, "max_new_tokens": NEW, "stop_token_ids": [first[5]]}))
         eng.check_kv_conservation()
         stats = eng.call_in_loop(
-            lambda s: s.overlap.stats.snapshot() if s.overlap is not None else {})
+            lambda s: s.overlap_stats.snapshot() if s.overlap_stats is not None else {})
     flat = []
     for out in outs:
         for o in out if isinstance(out, list) else [out]:

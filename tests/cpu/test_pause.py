@@ -14,11 +14,11 @@ def fresh(tiny_llama_dir):
 
 
 def _decoding(s) -> bool:
-    return any(r.output_ids for r in s.running)
+    return any(r.output_ids for r in s.queues.running)
 
 
 def _state(s) -> tuple:
-    return (len(s.running), len(s.waiting), [len(r.output_ids) for r in s.running + s.waiting])
+    return (len(s.queues.running), len(s.queues.waiting), [len(r.output_ids) for r in s.queues.running + s.queues.waiting])
 
 
 def _no_step_between_two_calls(engine: Engine) -> tuple:
@@ -42,7 +42,7 @@ def test_abort_ends_every_request_and_holds_new_ones_until_continue(fresh):
         reason = out["meta_info"]["finish_reason"]
         assert reason["type"] == "abort" and "pause_generation" in reason["message"]
     later, got = in_thread(fresh.generate, prompt="after the pause", sampling_params=PARAMS)
-    wait_until(fresh, lambda s: len(s.waiting) == 1)
+    wait_until(fresh, lambda s: len(s.queues.waiting) == 1)
     assert _no_step_between_two_calls(fresh) == (0, 1, [0])  # queued, not scheduled
     assert fresh.continue_generation() is True
     later.join(60)
@@ -65,7 +65,7 @@ def test_paused_requests_go_on_after_continue_with_an_unchanged_output(fresh, mo
         assert kv["free"] + kv["cached"] == kv["pool"]
     else:
         assert (running, waiting) == (1, 0) and 0 < lengths[0] < 40
-        assert fresh.call_in_loop(lambda s: s.running[0].kv_len) > 0  # its KV stays
+        assert fresh.call_in_loop(lambda s: s.queues.running[0].kv_len) > 0  # its KV stays
     fresh.continue_generation()
     t.join(60)
     assert box["out"]["output_ids"] == want

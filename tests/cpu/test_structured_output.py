@@ -202,7 +202,7 @@ def test_a_compile_failure_in_the_engine_ends_the_request_with_a_400(eng):
 
 def test_sampled_choices_each_follow_their_grammar_through_retraction(eng):
     def retract_once(s):  # every constrained request is sent back once, mid-output
-        for r in [r for r in s.running if r.grammar is not None and len(r.output_ids) >= 4
+        for r in [r for r in s.queues.running if r.grammar is not None and len(r.output_ids) >= 4
                   and r.num_retractions == 0]:
             s.retract(r)
     eng.scheduler.on_step = retract_once

@@ -189,9 +189,9 @@ def test_a_request_living_through_an_update_reports_version_spans(tiny_llama_dir
     with _engine(tiny_llama_dir) as eng:
         t, box = in_thread(eng.generate, input_ids=[5, 6, 7, 8], sampling_params={
             **GREEDY_N, "max_new_tokens": 400})
-        wait_until(eng, lambda s: any(len(r.output_ids) >= 3 for r in s.running))
+        wait_until(eng, lambda s: any(len(r.output_ids) >= 3 for r in s.queues.running))
         eng.pause_generation(mode)
-        produced = eng.call_in_loop(lambda s: [len(r.output_ids) for r in s.running + s.waiting])[0]
+        produced = eng.call_in_loop(lambda s: [len(r.output_ids) for r in s.queues.running + s.queues.waiting])[0]
         eng.begin_weight_update()
         eng.update_weights_from_tensor(named)
         eng.end_weight_update(7)

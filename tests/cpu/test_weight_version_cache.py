@@ -15,7 +15,6 @@ from radixray.engine.mem_cache.pool import ReqToTokenPool, TokenSlotAllocator
 from radixray.engine.mem_cache.radix_cache import RadixCache
 from radixray.engine.request import Req
 from radixray.engine.sampling import SamplingParams
-from radixray.engine.sched.pause import pause
 
 POOL = 32
 
@@ -301,7 +300,7 @@ def _retired(engine: Engine) -> int:
 
 
 def _decoding(rid: str):
-    return lambda s: any(r.rid == rid and r.output_ids for r in s.running)
+    return lambda s: any(r.rid == rid and r.output_ids for r in s.queues.running)
 
 
 def test_a_version_bump_hides_old_prefixes_from_new_requests(engine):
@@ -350,7 +349,7 @@ def test_a_retracted_request_prefills_again_under_the_new_version(engine, order)
         _bump(engine)
         engine.pause_generation("retract")  # releases KV of the old version
     seq_len, before = engine.call_in_loop(
-        lambda s: (s.waiting[0].seq_len, s.stats.prefill_input_tokens))
+        lambda s: (s.queues.waiting[0].seq_len, s.stats.prefill_input_tokens))
     state = engine.check_kv_conservation()
     assert state["free"] + state["cached"] == state["pool"] and _retired(engine) == 0
     engine.continue_generation()
@@ -372,12 +371,12 @@ def test_a_chunked_prefill_paused_across_the_bump_finishes_and_frees_its_kv(tiny
         t, box = in_thread(eng.generate, input_ids=prompt, rid="chunky", sampling_params=params)
 
         def pause_mid_prefill(s) -> bool:
-            req = s.chunked_req
+            req = s.queues.chunked
             if req is not None and req.rid == "chunky" and req.kv_len >= 48:
-                return pause(s, "in_place") == 1
+                return s.pause("in_place") == 1
             return False
         wait_until(eng, pause_mid_prefill)
-        held = eng.call_in_loop(lambda s: s.chunked_req.cache_locked_len)
+        held = eng.call_in_loop(lambda s: s.queues.chunked.cache_locked_len)
         assert 48 <= held < 200
         _bump(eng)
         assert _retired(eng) == held

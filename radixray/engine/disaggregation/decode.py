@@ -32,7 +32,7 @@ from radixray.engine.disaggregation.messages import (
     PeerGone,
 )
 from radixray.engine.request import FinishReason, Req
-from radixray.engine.sched.admission import CLIP_MAX_NEW_TOKENS, reserved_for_running
+from radixray.engine.sched.admission import CLIP_MAX_NEW_TOKENS
 
 logger = logging.getLogger("radixray.pd")
 
@@ -86,14 +86,14 @@ class DecodeSide:
         while self.prealloc:
             req = self.prealloc[0]
             waiting = self.waiting_reqs()
-            if len(self.s.running) + len(waiting) >= self.s.max_running:
+            if not self.s.has_decode_row(len(waiting)):
                 return
             match = kv.match(req)
             extend = len(req.prompt_ids) - len(match.slots)
             need = extend + min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS)
-            room_left = kv.available_tokens() - kv.lock_cost(match) - reserved_for_running(
-                self.s.running + waiting, self.s.ratio.value)
-            alone = not self.s.running and not waiting and extend < kv.available_tokens()
+            room_left = kv.available_tokens() - kv.lock_cost(match) - self.s.reserved_tokens(
+                waiting)
+            alone = not self.s.num_running and not waiting and extend < kv.available_tokens()
             if need > room_left and not alone:
                 return
             if not kv.admit(req, match):
@@ -157,8 +157,7 @@ class DecodeSide:
         if reason is not None:
             s.finish(req, reason)
         else:
-            s.running.append(req)
-            s.max_running_seen = max(s.max_running_seen, len(s.running))
+            s.start_running(req)
         s.on_output([req])
 
     def on_cancel(self, msg: CancelRoom) -> None:
@@ -172,9 +171,8 @@ class DecodeSide:
         if req in self.prealloc:
             self.prealloc.remove(req)
         room.state = PDState.FAILED
-        self.s.finish(req, FinishReason("error", status=PD_FAILED_STATUS, message=(
+        self.s.end_request(req, FinishReason("error", status=PD_FAILED_STATUS, message=(
             f"prefill worker {req.pd.peer}: {error}")))
-        self.s.on_output([req])
 
     def _drop(self, room: _Room) -> None:
         """A quarantined room's slots may be freed now."""
@@ -196,12 +194,10 @@ class DecodeSide:
         if room.state is PDState.BOOTSTRAPPING:
             self.prealloc.remove(req)
             self.rooms.pop(req.pd.room, None)
-            self.s.finish(req, reason)
-            self.s.on_output([req])
+            self.s.end_request(req, reason)
             return
         room.quarantined, room.since = True, time.monotonic()
-        self.s.finish(req, reason, release=False)
-        self.s.on_output([req])
+        self.s.end_request(req, reason, release=False)
         self.send(req.pd.peer, CancelRoom(req.pd.room, self.worker_id, why))
 
     def on_peer_gone(self, room_id: int, error: str) -> None:

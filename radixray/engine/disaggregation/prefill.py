@@ -87,8 +87,7 @@ class PrefillSide:
 
     def _refuse(self, req: Req, message: str) -> None:
         self.bootstrap_failed += 1
-        self.s.finish(req, FinishReason("error", message=message, status=PD_FAILED_STATUS))
-        self.s.on_output([req])
+        self.s.end_request(req, FinishReason("error", message=message, status=PD_FAILED_STATUS))
 
     def on_destination(self, dest: KVDestination) -> None:
         room = self.rooms.get(dest.room)
@@ -127,7 +126,7 @@ class PrefillSide:
             return
         room.state = PDState.WAITING_FOR_INPUT
         room.sent = dest.start
-        self.s.waiting.append(req)
+        self.s.enqueue(req)
 
     def _fail_unstarted(self, room: _Room, message: str) -> None:
         self.rooms.pop(room.req.pd.room, None)
@@ -176,14 +175,12 @@ class PrefillSide:
             room.state = PDState.SUCCESS
             self.transfers.append((out.bytes, out.seconds))
             if not req.finished:
-                self.s.finish(req, FinishReason("length", length=len(req.output_ids)))
-                self.s.on_output([req])
+                self.s.end_request(req, FinishReason("length", length=len(req.output_ids)))
             return
         room.state = PDState.FAILED
         self.transfer_failed += out.write_failed
         if not req.finished:
-            self.s.finish(req, FinishReason("error", message=out.error, status=PD_FAILED_STATUS))
-            self.s.on_output([req])
+            self.s.end_request(req, FinishReason("error", message=out.error, status=PD_FAILED_STATUS))
         else:  # its output went out already (aborted): only its KV was held
             self.s.kv.release(req)
 
@@ -204,8 +201,7 @@ class PrefillSide:
         self.sender.put(Fence(req.pd.room, reason, room.dest.decode_worker))
 
     def _end_for_client(self, req: Req, reason: FinishReason) -> None:
-        self.s.finish(req, reason, release=False)
-        self.s.on_output([req])
+        self.s.end_request(req, reason, release=False)
 
     # ---- giving up -------------------------------------------------------------------
     def abort(self, rid: str, message: str) -> bool:
@@ -218,11 +214,8 @@ class PrefillSide:
                 if room.dest is not None:
                     self.notify(room.dest.decode_worker, KVArrival(
                         room_id, self.worker_id, False, message))
-                if req in self.s.waiting:
-                    self.s.waiting.remove(req)
                 self.rooms.pop(room_id, None)
-                self.s.finish(req, FinishReason("abort", message=message))
-                self.s.on_output([req])
+                self.s.end_request(req, FinishReason("abort", message=message))
             else:
                 self._close(room, message, FinishReason("abort", message=message))
             return True

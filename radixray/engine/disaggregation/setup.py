@@ -66,7 +66,7 @@ class PDLink:
                              name="radixray-kv-populate").start()
         else:
             raise ValueError(f"disaggregation_mode must be 'prefill' or 'decode', got {mode!r}")
-        scheduler.pd = self.side
+        scheduler.attach_pd(self.side)
         logger.info("%s worker %s: KV transfer endpoint %s (%s), %d layers x %d bytes per slot",
                     mode, worker_id, self.transport.session, self.transport.protocol,
                     self.layout.num_layers, self.layout.slot_bytes)

@@ -69,16 +69,6 @@ class GrammarManager:
         self.queue = waiting
         return ready, failed
 
-    def admit_compiled(self, scheduler) -> None:
-        """On the scheduler thread: requests whose grammar compiled join its waiting queue;
-        those whose grammar failed finish with the compile's error (status 400)."""
-        ready, failed = self.poll()
-        scheduler.waiting.extend(ready)
-        for req, reason in failed:
-            scheduler.finish(req, reason)
-        if failed:
-            scheduler.on_output([req for req, _ in failed])
-
     def remove(self, rid: str) -> Req | None:
         """Take the request ``rid`` out of the grammar queue (abort); None if not there."""
         for i, (req, _) in enumerate(self.queue):

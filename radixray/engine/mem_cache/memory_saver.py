@@ -35,7 +35,7 @@ What happens to the content:
 
 Both calls run on the scheduler thread (``Engine.call_in_loop``). Generation must be
 paused first, and ``continue_generation`` refuses while any tag is released
-(engine/sched/pause.py reads ``scheduler.memory_released``).
+(``Scheduler.resume`` reads ``scheduler.memory_released``).
 """
 
 from __future__ import annotations
@@ -165,16 +165,15 @@ def spill_dir() -> str:
 class MemorySaver:
     """Frees and restores the memory behind the KV pool and the model's weights.
 
-    ``released`` is the set of released tags; the scheduler sees the same set as
-    ``scheduler.memory_released`` (``continue_generation`` refuses while it is not empty).
+    ``released`` is the set of released tags: the scheduler's ``memory_released``
+    (``continue_generation`` refuses while it is not empty).
     """
 
     def __init__(self, runner, scheduler):
         self.runner = runner
         self.scheduler = scheduler
-        self.released: set[str] = set()
+        self.released: set[str] = scheduler.memory_released
         self._state: dict[str, _Released] = {}
-        scheduler.memory_released = self.released
 
     # ---- public ------------------------------------------------------------------------
     def release(self, tags: list[str] | str | None) -> dict:
@@ -195,7 +194,7 @@ class MemorySaver:
             raise ValueError("release_memory_occupation needs generation paused: "
                              "call pause_generation first")
         if "kv_cache" in tags:
-            holders = len(s.running) + (s.chunked_req is not None)
+            holders = len(s.queues.active())
             rows = s.kv.req_pool.max_requests - s.kv.req_pool.available_size()
             if holders or rows:
                 raise ValueError(

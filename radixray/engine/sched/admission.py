@@ -102,6 +102,17 @@ class PrefillBudget:
             self.rem_chunk_tokens -= n
         return AddResult.CHUNKED if n < extend_len else AddResult.ADDED
 
+    def reserve_riders(self, n: int) -> None:
+        """Mixed chunks: ``n`` running requests ride in this prefill forward, one token each,
+        taken from every budget; the chunk gives at most half of itself to them, so many
+        streams cannot starve a prefill."""
+        if not n:
+            return
+        self.rem_total_tokens -= n
+        self.rem_input_tokens -= n
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= min(n, self.rem_chunk_tokens // 2)
+
     def add_chunk_continuation(self, req: Req, remaining: int) -> int:
         """The request being chunk-prefilled continues first; its reservation is already counted."""
         n = remaining if self.rem_chunk_tokens is None else min(remaining, self.rem_chunk_tokens)

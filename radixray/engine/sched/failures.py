@@ -1,25 +1,41 @@
-"""How the scheduler fails a batch, or itself, and ends the affected requests.
+"""Failing a batch, or the whole engine, and ending the requests it touched.
 
-A mixin of :class:`~radixray.engine.sched.scheduler.Scheduler` (it reads ``faults``,
-``_batch``, ``waiting``, ``running``, ``chunked_req``, ``on_output``, ``on_failed`` and
-calls ``finish`` and ``held_requests``). A fault inside a step fails that step's batch
-(status 500); repeated faults, or one outside any batch, fail the engine (status 503 for
-every held and later request) until the controller replaces it.
+A fault inside a step fails that step's requests (status 500); repeated faults, or one
+outside any batch, fail the engine (status 503 for every held and later request) until
+the controller replaces it. :class:`StepFailures` decides and ends the requests; the
+scheduler passes in how to take a request out of its queues, how to end one, how to
+deliver results and which requests it holds.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
-from radixray.engine.faults import BATCH_FAULT_STATUS, ENGINE_FAILED_STATUS, describe
+from radixray.engine.faults import BATCH_FAULT_STATUS, ENGINE_FAILED_STATUS, StepFaults, describe
 from radixray.engine.request import FinishReason, Req
 
 logger = logging.getLogger("radixray.scheduler")
 
 
-class SchedulerFaults:
-    def _on_step_fault(self, exc: Exception) -> None:
-        """Fail the step's batch; log the traceback once per distinct fault; count it."""
+class StepFailures:
+    """The scheduler's fault handling. ``unschedule(req)`` takes a request out of the queues,
+    ``finish(req, reason)`` ends it (its KV back), ``deliver(reqs)`` hands results on,
+    ``held()`` lists every unfinished request the scheduler holds, ``on_engine_failed(reason)``
+    runs once when the engine fails, before the held requests are failed."""
+
+    def __init__(self, faults: StepFaults, unschedule: Callable[[Req], None],
+                 finish: Callable[[Req, FinishReason], None],
+                 deliver: Callable[[list[Req]], None], held: Callable[[], list[Req]],
+                 on_engine_failed: Callable[[str], None]):
+        self.faults = faults
+        self._unschedule, self._finish, self._deliver = unschedule, finish, deliver
+        self._held, self._on_engine_failed = held, on_engine_failed
+
+    def step_fault(self, exc: Exception, reqs: list[Req]) -> str | None:
+        """A step failed with ``exc``: fail its requests ``reqs``; log the traceback once per
+        distinct fault; count it. Returns why the engine must fail now (too many faults in
+        a row), or None."""
         message = describe(exc)
         if message == self.faults.last_message:
             logger.error("scheduler step failed again (%d in a row): %s",
@@ -27,26 +43,22 @@ class SchedulerFaults:
         else:
             logger.exception("scheduler step failed; its batch's requests end with an error")
         give_up = self.faults.note_failure(message)
-        self._fail(self._batch, f"the engine failed this request's batch: {message}",
-                   BATCH_FAULT_STATUS)
-        if give_up:
-            self.fail_engine(give_up)
+        self.fail(reqs, f"the engine failed this request's batch: {message}", BATCH_FAULT_STATUS)
+        return give_up
 
-    def fail_engine(self, reason: str) -> None:
-        """Stop serving: every held request and every later one ends with status 503, and
-        ``on_failed`` hears the reason once. Later calls keep the first reason."""
+    def fail_engine(self, reason: str) -> bool:
+        """Stop serving: every held request and every later one ends with status 503. Later
+        calls keep the first reason; True on the first."""
         first = self.faults.failed is None
         if first:
             self.faults.failed = reason
             logger.error("engine failed, refusing requests from now on: %s", reason)
-            if getattr(self.runner, "eplb", None) is not None:
-                self.runner.eplb.cancel(f"the engine failed: {reason}")
-        held = self.held_requests()
-        self._fail(held, f"the engine failed: {self.faults.failed}", ENGINE_FAILED_STATUS)
-        if first and self.on_failed is not None:
-            self.on_failed(reason)
+            self._on_engine_failed(reason)
+        self.fail(self._held(), f"the engine failed: {self.faults.failed}",
+                  ENGINE_FAILED_STATUS)
+        return first
 
-    def _fail(self, reqs: list[Req], message: str, status: int) -> None:
+    def fail(self, reqs: list[Req], message: str, status: int) -> None:
         """End every unfinished request of ``reqs`` with finish reason error and deliver all
         of them (a request that finished normally in the failed step still gets its result).
         Each request's KV goes back even when others' cannot."""
@@ -54,19 +66,14 @@ class SchedulerFaults:
         for req in reqs:
             if req.finished:
                 continue
-            if req is self.chunked_req:
-                self.chunked_req = None
-            if req in self.waiting:
-                self.waiting.remove(req)
+            self._unschedule(req)
             reason = FinishReason("error", message=message, status=status)
             try:
-                self.finish(req, reason)
+                self._finish(req, reason)
             except Exception:  # noqa: BLE001 - its KV is lost, but the request still ends
                 logger.exception("could not return the KV of failed request %s", req.rid)
                 req.finish_reason = reason
-                if req in self.running:
-                    self.running.remove(req)
         try:
-            self.on_output(reqs)
+            self._deliver(reqs)
         except Exception:  # noqa: BLE001 - a broken subscriber must not stop the loop
             logger.exception("could not deliver the results of %d failed request(s)", len(reqs))

@@ -12,7 +12,7 @@ handling. A stream's longest gap then shrinks from a prefill wave to one chunk's
 
 Budget (as SGLang counts it): the riders' tokens come out of the prefill batch's token
 budget, its input budget and its chunk, but the chunk keeps at least half of
-``chunked_prefill_size`` for prompts, so many streams cannot starve a prefill.
+``chunked_prefill_size`` for prompts (:meth:`PrefillBudget.reserve_riders`).
 KV: the riders' decode slots are allocated after the prefill's (the budget kept one per
 rider free); if the pool cannot hold them all, they sit the forward out and the next
 decode step retracts as before.
@@ -23,61 +23,58 @@ from __future__ import annotations
 import torch
 
 from radixray.engine.executor.forward_batch import ForwardBatch
+from radixray.engine.executor.model_runner import ModelRunner
+from radixray.engine.mem_cache.kv_manager import KVManager
 from radixray.engine.request import Req
-from radixray.engine.sched.admission import PrefillBudget
+from radixray.engine.sched.admission import NewTokenRatio
+from radixray.engine.sched.stats import SchedulerStats
 
 
-def reserve_decode_tokens(s, budget: PrefillBudget) -> None:
-    """Scheduler ``s`` with mixing on: take the riders' tokens (one per running request) out of
-    ``budget``; the chunk gives at most half of itself. A no-op with mixing off."""
-    n = len(s.running) if s.config.enable_mixed_chunk else 0
-    if not n:
-        return
-    budget.rem_total_tokens -= n
-    budget.rem_input_tokens -= n
-    if budget.rem_chunk_tokens is not None:
-        budget.rem_chunk_tokens -= min(n, budget.rem_chunk_tokens // 2)
+class MixedChunks:
+    """The riders of a scheduler's prefill steps; with ``enabled`` False, none ride."""
 
+    def __init__(self, enabled: bool, kv: KVManager, runner: ModelRunner, ratio: NewTokenRatio,
+                 stats: SchedulerStats):
+        self.enabled, self.kv, self.runner, self.ratio, self.stats = (enabled, kv, runner, ratio,
+                                                                      stats)
 
-def build(s, items: list[tuple[Req, int, torch.Tensor]]) -> tuple[ForwardBatch, list[Req]]:
-    """Scheduler ``s``, with the prefill's slots allocated: the step's forward batch (``items``:
-    request, new tokens, their slots) and the riders in it, at its tail (none with mixing
-    off or nothing running)."""
-    riders, rider_slots = take_riders(s) if s.config.enable_mixed_chunk else ([], None)
-    chunks = [(r, n) for r, n, _ in items] + [(r, 1) for r in riders]
-    slots = [slot for _, _, slot in items] + ([rider_slots] if riders else [])
-    batch = s.runner.build_extend_batch(chunks, slots)
-    batch.num_decode = len(riders)
-    return batch, riders
+    def num_riders(self, num_running: int) -> int:
+        """How many running requests a prefill batch must keep budget for."""
+        return num_running if self.enabled else 0
 
+    def build(self, items: list[tuple[Req, int, torch.Tensor]],
+              running: list[Req]) -> tuple[ForwardBatch, list[Req]]:
+        """With the prefill's slots allocated: the step's forward batch (``items``: request,
+        new tokens, their slots) and the riders in it, at its tail (none with mixing off or
+        nothing running)."""
+        riders, rider_slots = self._take_riders(running) if self.enabled else ([], None)
+        chunks = [(r, n) for r, n, _ in items] + [(r, 1) for r in riders]
+        slots = [slot for _, _, slot in items] + ([rider_slots] if riders else [])
+        batch = self.runner.build_extend_batch(chunks, slots)
+        batch.num_decode = len(riders)
+        return batch, riders
 
-def take_riders(s) -> tuple[list[Req], torch.Tensor | None]:
-    """The running requests of scheduler ``s`` that ride in this forward, and one decode slot
-    each (reserved until committed). All ride, or none: when the pool cannot hold a slot per
-    running request after the prefill's allocation, they sit this forward out, as without
-    mixing, and the next decode step retracts as usual (retracting or aborting here could
-    end a request that the unmixed schedule would have kept). A step with riders counts as
-    a decode step for the new-token-ratio forecast. The riders join the step's batch
-    (``s._batch``), so a fault in the step fails them too."""
-    if not s.running or s.kv.available_tokens() < len(s.running):
-        return [], None
-    riders = list(s.running)
-    slots = s.kv.extend_decode(riders)
-    if slots is None:  # available_tokens promised room
-        raise RuntimeError(f"no KV slots for {len(riders)} decode requests")
-    s.ratio.step()
-    s._batch.extend(riders)
-    return riders, slots
+    def _take_riders(self, running: list[Req]) -> tuple[list[Req], torch.Tensor | None]:
+        """The ``running`` requests that ride in this forward, and one decode slot each
+        (reserved until committed). All ride, or none: when the pool cannot hold a slot per
+        running request after the prefill's allocation, they sit this forward out, as without
+        mixing, and the next decode step retracts as usual (retracting or aborting here could
+        end a request that the unmixed schedule would have kept). A step with riders counts
+        as a decode step for the new-token-ratio forecast."""
+        if not running or self.kv.available_tokens() < len(running):
+            return [], None
+        riders = list(running)
+        slots = self.kv.extend_decode(riders)
+        if slots is None:  # available_tokens promised room
+            raise RuntimeError(f"no KV slots for {len(riders)} decode requests")
+        self.ratio.step()
+        return riders, slots
 
-
-def finish_riders(s, logits: torch.Tensor, riders: list[Req]) -> None:
-    """After the forward: the riders' KV is computed; their tokens are sampled and processed
-    as a decode step's (``logits``: one row per rider). A no-op without riders."""
-    if not riders:
-        return
-    for r in riders:
-        r.commit_kv(1)
-    s.stats.note_decode(len(riders))
-    s.stats.mixed_forwards += 1
-    s.stats.mixed_decode_tokens += len(riders)
-    s._sample_and_process(logits, riders, prefill=False)
+    def commit_riders(self, riders: list[Req]) -> None:
+        """After the forward: the riders' KV is computed (their tokens are then processed as
+        a decode step's)."""
+        for r in riders:
+            r.commit_kv(1)
+        self.stats.note_decode(len(riders))
+        self.stats.mixed_forwards += 1
+        self.stats.mixed_decode_tokens += len(riders)

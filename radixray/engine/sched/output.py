@@ -1,30 +1,59 @@
-"""How the scheduler turns a forward pass's logits into tokens, outputs and ended requests.
+"""Turning a forward pass's logits into tokens: sampling under each request's grammar mask,
+appending the token, checking stops, and saying what each request does next.
 
-A mixin of :class:`~radixray.engine.sched.scheduler.Scheduler` (it reads ``sampler``,
-``stop_checker``, ``runner``, ``kv``, ``running``, ``waiting``, ``chunked_req``,
-``stats``, ``pd``, ``grammar``, ``overlap`` and ``on_output``): sampling with each
-request's grammar mask, appending tokens and checking stops, finishing a request (its KV
-back to the pool or the radix cache, or held for a step in flight under overlap
-scheduling), and aborts.
+:class:`OutputProcessor` changes requests (their tokens, logprobs, finish) and the KV
+cache's record of them, never the scheduler's queues: it returns a
+:class:`ProcessedStep` and the scheduler moves requests accordingly.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
+from radixray.engine.executor.sampler import SampleOutput, Sampler
 from radixray.engine.faults import BATCH_FAULT_STATUS
 from radixray.engine.grammar.matcher import apply_masks
+from radixray.engine.mem_cache.kv_manager import KVManager
 from radixray.engine.request import FinishReason, Req
+from radixray.engine.sched.stats import SchedulerStats
+from radixray.engine.stop import StopChecker
 
 logger = logging.getLogger("radixray.scheduler")
 
 
-class SchedulerOutput:
-    # ---- results -------------------------------------------------------------------
-    def _sample_and_process(self, logits: torch.Tensor, reqs: list[Req], prefill: bool) -> None:
+@dataclass
+class ProcessedStep:
+    """What a step's sampled tokens did: ``reported`` (every request with new output or a
+    finish, to deliver), ``started`` (prefills that go on decoding) and ``handed_off``
+    (prefills of a disaggregated prefill side: the decode worker goes on)."""
+
+    reported: list[Req] = field(default_factory=list)
+    started: list[Req] = field(default_factory=list)
+    handed_off: list[Req] = field(default_factory=list)
+
+
+class OutputProcessor:
+    """Sampling and token processing for one scheduler. ``finish(req, reason)`` ends a
+    request (the scheduler's: it releases the KV and takes the request out of its queues)."""
+
+    def __init__(self, sampler: Sampler, stop_checker: StopChecker, kv: KVManager,
+                 stats: SchedulerStats, vocab_size: int, context_len: int,
+                 finish: Callable[[Req, FinishReason], None]):
+        self.sampler, self.stop_checker, self.kv, self.stats = sampler, stop_checker, kv, stats
+        self.vocab_size, self.context_len = vocab_size, context_len
+        self.finish = finish
+
+    def sample_and_process(self, logits: torch.Tensor, reqs: list[Req], prefill: bool,
+                           hand_off: bool = False) -> ProcessedStep:
+        """Sample one token per row of ``logits`` (row ``i`` for ``reqs[i]``) and process it.
+        A request with no tokens left to produce finishes at length without sampling.
+        ``hand_off``: this engine is a prefill side, whose requests with a bootstrap room
+        stop after their first token."""
         now = time.perf_counter()
         zero_budget = [r for r in reqs if r.remaining_new_tokens == 0]
         for r in zero_budget:
@@ -32,25 +61,28 @@ class SchedulerOutput:
         if zero_budget:
             keep = [i for i, r in enumerate(reqs) if not r.finished]
             logits, reqs = logits[keep], [reqs[i] for i in keep]
+        result = ProcessedStep(reported=list(zero_budget))
         if reqs:
-            apply_masks(logits, reqs, self.runner.vocab_size)
+            apply_masks(logits, reqs, self.vocab_size)
             out = self.sampler.sample(logits, [r.sampling for r in reqs],
                                       [r.generator for r in reqs], [r.output_ids for r in reqs])
-            self._process_sampled(out, reqs, prefill, now)
-        if not prefill:
-            self.running = [r for r in self.running if not r.finished]
-        self.max_running_seen = max(self.max_running_seen, len(self.running))
-        self.on_output(zero_budget + reqs)
+            self.process_sampled(out, reqs, prefill, now, result, hand_off)
+        return result
 
-    def _process_sampled(self, out, reqs: list[Req], prefill: bool, now: float) -> None:
+    def process_sampled(self, out: SampleOutput, reqs: list[Req], prefill: bool, now: float,
+                        result: ProcessedStep | None = None,
+                        hand_off: bool = False) -> ProcessedStep:
         """Give each request its sampled token (``out``: the Sampler's output, row ``i`` for
-        ``reqs[i]``), then finish it at a stop, or (prefill) start it decoding."""
+        ``reqs[i]``), then finish it at a stop, or (prefill) mark it started or handed off.
+        Every request of ``reqs`` is reported."""
+        result = result if result is not None else ProcessedStep()
+        result.reported.extend(reqs)
         errors = out.errors or {}
         for i, (req, token) in enumerate(zip(reqs, out.token_ids)):
             if i in errors:
                 logger.warning("request %s failed: %s", req.rid, errors[i])
                 self.finish(req, FinishReason("error", message=errors[i],
-                                               status=BATCH_FAULT_STATUS))
+                                              status=BATCH_FAULT_STATUS))
                 continue
             req.output_ids.append(token)
             if req.first_token_time is None:
@@ -59,67 +91,19 @@ class SchedulerOutput:
                 req.output_logprobs.append(out.logprobs[i])
                 if out.top_logprobs is not None:
                     req.output_top_logprobs.append(out.top_logprobs[i])
-            if prefill and req.pd is not None and self.pd is not None:
+            if prefill and hand_off and req.pd is not None:
                 # Prefill half of a pair: the decode worker checks stops and decodes.
                 self.kv.cache_unfinished(req)
-                self.pd.prefilled(req)
+                result.handed_off.append(req)
                 continue
             reason = req.grammar.accept(token) if req.grammar is not None else None
-            reason = reason or self.stop_checker.check(req, self.runner.context_len)
+            reason = reason or self.stop_checker.check(req, self.context_len)
             if reason is not None:
                 self.finish(req, reason)
             elif prefill:
                 # Share the prompt's KV through the tree now, not when the request
                 # ends, so requests arriving meanwhile with the same prefix hit it.
                 self.kv.cache_unfinished(req)
-                self.running.append(req)
+                result.started.append(req)
         self.stats.generation_tokens += len(reqs) - len(errors)
-
-    def finish(self, req: Req, reason: FinishReason, release: bool = True) -> None:
-        """End ``req`` with ``reason``; its KV returns to the pool or cache unless
-        ``release`` is False (a disaggregated request whose slots a peer may still touch:
-        its side releases them later)."""
-        req.finish_reason = reason
-        req.finish_time = time.perf_counter()
-        if release:
-            self.runner.collect_routes(req)
-            if self.overlap is not None and self.overlap.holds(req):
-                self.overlap.defer_release(req)  # a step in flight still writes its KV
-            else:
-                self.kv.release(req)
-        if reason.type == "abort":
-            self.stats.num_aborted_reqs += 1
-        self.stats.num_finished_reqs += 1
-        self.stats.prompt_tokens += len(req.prompt_ids)
-        if req in self.running:
-            self.running.remove(req)
-
-    def abort_all(self, message: str) -> None:
-        """Abort every request, queued in the inbox ones included (the loop is not running)."""
-        self._ingest()
-        for req in self.held_requests():
-            self.abort(req.rid, message)
-
-    def abort(self, rid: str, message: str) -> bool:
-        """Abort a waiting, prefilling or running request; its KV returns to the pool or cache."""
-        if self.pd is not None and self.pd.abort(rid, message):
-            return True
-        queued = self.grammar.remove(rid)
-        if queued is not None:
-            self.finish(queued, FinishReason("abort", message=message))
-            self.on_output([queued])
-            return True
-        for group in (self.waiting, self.running):
-            for req in group:
-                if req.rid == rid:
-                    if group is self.waiting:
-                        self.waiting.remove(req)
-                    self.finish(req, FinishReason("abort", message=message))
-                    self.on_output([req])
-                    return True
-        if self.chunked_req is not None and self.chunked_req.rid == rid:
-            req, self.chunked_req = self.chunked_req, None
-            self.finish(req, FinishReason("abort", message=message))
-            self.on_output([req])
-            return True
-        return False
+        return result

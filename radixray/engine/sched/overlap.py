@@ -39,8 +39,10 @@ from dataclasses import dataclass, field
 import torch
 
 from radixray.engine.executor.forward_batch import ForwardBatch
-from radixray.engine.executor.sampler import _has_penalty
+from radixray.engine.executor.sampler import SampleOutput, _has_penalty
 from radixray.engine.request import Req
+from radixray.engine.sched.decode import PlainDecoder
+from radixray.engine.sched.step import StepHost, StepRecord
 
 logger = logging.getLogger("radixray.scheduler")
 
@@ -77,11 +79,12 @@ def overlappable(req: Req) -> bool:
                 or req.grammar is not None)
 
 
-class OverlapDecoder:
-    """The pipeline of one scheduler (see the module docstring); scheduler thread only."""
+class OverlapDecoder(PlainDecoder):
+    """The pipeline of one scheduler (see the module docstring); scheduler thread only.
+    Turns it cannot overlap run as the plain decoder's, after a drain."""
 
-    def __init__(self, scheduler):
-        self.s = scheduler
+    def __init__(self, scheduler: StepHost):
+        super().__init__(scheduler)
         runner = scheduler.runner
         # OpenMP's thread count is per thread: the forward thread uses the runner's.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="radixray-forward",
@@ -92,7 +95,7 @@ class OverlapDecoder:
         self.stats = OverlapStats()
 
     @classmethod
-    def create(cls, config, scheduler) -> OverlapDecoder | None:
+    def create(cls, config, scheduler: StepHost) -> OverlapDecoder | None:
         if not config.enable_overlap_schedule:
             return None
         for name, value in (("ep_size", config.ep_size > 1),
@@ -122,20 +125,25 @@ class OverlapDecoder:
         return list(self._deferred)
 
     # ---- the pipeline -------------------------------------------------------------
-    def step(self) -> bool:
+    def decode(self, step: StepRecord) -> None:
         """One overlapped decode step: launch the next step, then take in the one before.
-        False (after draining) when this turn must run sequentially."""
+        A turn that must run sequentially drains first and runs the plain step."""
         s = self.s
-        if s.waiting or s.chunked_req is not None or not s.running \
-                or not all(overlappable(r) for r in s.running):
+        queues = s.queues
+        running = queues.running
+        if queues.has_prefill_work or not running \
+                or not all(overlappable(r) for r in running):
             self.drain()
-            return False
+            if queues.num_running:
+                super().decode(step)
+            return
         prev = self.inflight
-        reqs = [r for r in s.running if self._has_room(r, prev)]
+        reqs = [r for r in running if self._has_room(r, prev)]
         if len(reqs) > s.kv.available_tokens():
             self.drain()  # the sequential step retracts
-            return False
-        s._batch = list(reqs)  # a fault at launch fails these
+            super().decode(step)
+            return
+        step.add(reqs)  # a fault at launch fails these
         self.inflight = self._launch(reqs, prev) if reqs else None
         s.ratio.step()
         if prev is not None:
@@ -144,7 +152,6 @@ class OverlapDecoder:
                 self.stats.hidden_s += busy_s  # all of it ran under the next forward pass
             self.stats.overlapped_steps += 1
         self._release_deferred()
-        return True
 
     def drain(self) -> None:
         """Take in the step in flight, if any; launch none."""
@@ -196,21 +203,21 @@ class OverlapDecoder:
 
     def _take_in(self, step: _Step) -> float:
         """Wait for ``step`` and hand its tokens to the requests still running; the seconds
-        this took once the tokens were there."""
+        this took once the tokens were there. A failed step fails its requests (and the
+        step launched after it, which read its tokens)."""
         s = self.s
-        s._batch = list(step.reqs)
         try:
             out = step.future.result()
-        except Exception as exc:  # noqa: BLE001 - this step's requests fail, as in step()
+        except Exception as exc:  # noqa: BLE001 - this step's requests fail, as in a step
+            failed = list(step.reqs)
             if self.inflight is not None:  # it read this step's tokens: it fails too
                 later, self.inflight = self.inflight, None
                 try:
                     later.future.result()
                 except Exception:  # noqa: BLE001
                     pass
-                s._batch += [r for r in later.reqs if r not in s._batch]
-            s._on_step_fault(exc)
-            s._batch = []
+                failed += [r for r in later.reqs if r not in failed]
+            s.fail_step(exc, failed)
             return 0.0
         t0 = time.perf_counter()
         s.stats.forward_steps += 1
@@ -226,13 +233,7 @@ class OverlapDecoder:
             else:
                 live.append(r)
                 rows.append(i)
-        if live:
-            picked = _rows(out, rows)
-            s._process_sampled(picked, live, False, time.perf_counter())
-        s.running = [r for r in s.running if not r.finished]
-        s.max_running_seen = max(s.max_running_seen, len(s.running))
-        s._batch = []
-        s.on_output(live)
+        s.process_sampled_decode(_rows(out, rows) if live else None, live)
         return time.perf_counter() - t0
 
     def _release_deferred(self) -> None:
@@ -266,7 +267,6 @@ def _forward_and_sample(runner, sampler, batch: ForwardBatch, refs, prev_future,
 
 def _rows(out, rows: list[int]):
     """The Sampler output restricted to ``rows`` (renumbered from 0)."""
-    from radixray.engine.executor.sampler import SampleOutput
     errors = {j: out.errors[i] for j, i in enumerate(rows) if out.errors and i in out.errors}
     picked = SampleOutput(token_ids=[out.token_ids[i] for i in rows], errors=errors or None)
     if out.logprobs is not None:

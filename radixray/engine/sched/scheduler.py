@@ -1,15 +1,21 @@
-"""The scheduler loop: ingest -> pick a batch (prefill if one can be admitted, else decode) -> run -> process.
+"""The scheduler loop: ingest -> build a batch (prefill if one can be admitted, else decode)
+-> run it -> process its tokens.
 
-The scheduler owns all engine state and is driven from one thread. Other
-threads talk to it only through ``submit`` (a thread-safe inbox drained between
-steps); results leave through the ``on_output`` callback.
+The scheduler owns the engine's request state and is driven from one thread. Other
+threads talk to it only through ``submit`` (a thread-safe inbox drained between steps);
+results leave through the ``on_output`` callback. Its queues (:class:`RequestQueues`)
+change only through its own methods: the parts that build and run a step
+(:class:`PrefillBuilder`, the decoders of decode.py and overlap.py, the speculative
+worker), the disaggregated sides and the control verbs ask it to enqueue, start, retract,
+finish or abort a request.
 
-A step that raises fails its own batch and the loop goes on; repeated failures
-make the engine failed (see :mod:`radixray.engine.faults`).
+A step that raises fails its own batch and the loop goes on; repeated failures make the
+engine failed (see :mod:`radixray.engine.sched.failures`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import time
@@ -21,7 +27,6 @@ import torch
 
 from radixray.engine.config import EngineConfig
 from radixray.engine.ep.group import IDLE_POLL_S
-from radixray.engine.executor.forward_batch import ForwardBatch
 from radixray.engine.executor.model_runner import ModelRunner
 from radixray.engine.executor.sampler import DETERMINISTIC_DEFAULT_SEED, Sampler
 from radixray.engine.faults import ENGINE_FAILED_STATUS, StepFaults, describe
@@ -29,20 +34,17 @@ from radixray.engine.grammar.manager import GrammarManager, GrammarWake
 from radixray.engine.mem_cache.factory import create_kv_manager
 from radixray.engine.mem_cache.kv_audit import KVAudit
 from radixray.engine.mem_cache.kv_manager import KVManager
-from radixray.engine.mem_cache.radix_cache import MatchResult
-from radixray.engine.request import Req
-from radixray.engine.sched import mixed_batch
-from radixray.engine.sched.admission import (
-    AddResult,
-    NewTokenRatio,
-    PrefillBudget,
-)
-from radixray.engine.sched.failures import SchedulerFaults
-from radixray.engine.sched.output import SchedulerOutput
+from radixray.engine.request import FinishReason, Req
+from radixray.engine.sched.admission import NewTokenRatio, reserved_for_running
+from radixray.engine.sched.decode import PlainDecoder, SpeculativeDecoder
+from radixray.engine.sched.failures import StepFailures
+from radixray.engine.sched.output import OutputProcessor, ProcessedStep
 from radixray.engine.sched.overlap import OverlapDecoder
-from radixray.engine.sched.policy import InBatchPrefixes, order_waiting
-from radixray.engine.sched.preemption import preempt_for, retract_for_decode
-from radixray.engine.sched.stats import SchedulerStats, log_decode, log_prefill
+from radixray.engine.sched.pause import ABORT_MESSAGE, PAUSE_MODES
+from radixray.engine.sched.prefill import PrefillBuilder
+from radixray.engine.sched.queues import RequestQueues
+from radixray.engine.sched.stats import SchedulerStats, log_decode
+from radixray.engine.sched.step import StepRecord
 from radixray.engine.speculative.worker import create_speculator
 from radixray.engine.stop import StopChecker
 
@@ -62,7 +64,7 @@ class CallInLoop:
     future: Future
 
 
-class Scheduler(SchedulerOutput, SchedulerFaults):
+class Scheduler:
     """Continuous batching over one ModelRunner."""
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, stop_checker: StopChecker,
@@ -74,40 +76,124 @@ class Scheduler(SchedulerOutput, SchedulerFaults):
         self.config = config
         self.runner = runner
         self.kv = kv if kv is not None else create_kv_manager(config, runner)
-        self.sampler = sampler or Sampler(runner.vocab_size)
         self.stop_checker = stop_checker
         self.on_output = on_output
         self.ratio = NewTokenRatio(config.schedule_conservativeness)
         self.stats = SchedulerStats()
         self.kv_audit = KVAudit(config.kv_audit_interval_steps)
-        self.waiting: list[Req] = []
-        self.running: list[Req] = []
-        self.chunked_req: Req | None = None
+        self.queues = RequestQueues()
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.max_running = runner.max_running_requests
-        self.max_running_seen = 0  # peak number of requests decoding together (tests, logs)
         # Optional observer called with the scheduler after every step (tests, tracing).
         self.on_step: Callable[[Scheduler], None] | None = None
-        self.faults = StepFaults(config.max_consecutive_failed_steps)
         # Called once, on the scheduler thread, with the reason when the engine fails.
         self.on_failed: Callable[[str], None] | None = None
-        self._batch: list[Req] = []  # the requests of the step in flight
+        self.faults = StepFaults(config.max_consecutive_failed_steps)
+        self.failures = StepFailures(self.faults, self.queues.remove, self.finish,
+                                     self._deliver, self.held_requests, self._cancel_rebalance)
+        self.output = OutputProcessor(sampler or Sampler(runner.vocab_size), stop_checker, self.kv, self.stats,
+                                      runner.vocab_size, runner.context_len, self.finish)
         self.paused: str | None = None  # the pause mode while generation is paused
-        # The prefill or decode half of a disaggregated pair (engine/disaggregation/), set by
-        # the engine; None for a unified engine.
+        # Tags whose memory is released (the engine's MemorySaver keeps this set).
+        self.memory_released: set[str] = set()
+        # The prefill or decode half of a disaggregated pair (engine/disaggregation/), or
+        # None for a unified engine: see attach_pd.
         self.pd = None
         # This engine's expert-parallel group (engine/ep/group.py): its ranks step together.
         self.ep = getattr(runner, "ep", None)
-        self._forwarded = False  # whether the step in flight ran a forward pass
         # structured output: requests wait here until their grammar compiles (engine/grammar/)
         self.grammar = GrammarManager.create(config, stop_checker, runner.vocab_size,
                                              lambda: self.inbox.put(GrammarWake()))
-        self.overlap = OverlapDecoder.create(config, self)  # engine/sched/overlap.py, or None
-        self.spec = create_speculator(config, runner)  # engine/speculative/, or None
+        self.decoder = self._create_decoder()
+        self.prefill = PrefillBuilder(self)
+
+    def _create_decoder(self) -> PlainDecoder:
+        """The decode strategy the config asks for: overlap, speculative or plain."""
+        overlap = OverlapDecoder.create(self.config, self)  # ValueError on a clash
+        if overlap is not None:
+            return overlap
+        speculator = create_speculator(self.config, self.runner)
+        return SpeculativeDecoder(self, speculator) if speculator is not None \
+            else PlainDecoder(self)
+
+    # ---- reading -------------------------------------------------------------------
+    @property
+    def sampler(self) -> Sampler:
+        """The sampler of this scheduler's steps (its output processor's)."""
+        return self.output.sampler
+
+    @property
+    def num_running(self) -> int:
+        """Requests decoding now (a prefill in progress not counted)."""
+        return self.queues.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests in the waiting queue."""
+        return self.queues.num_waiting
+
+    def num_queued(self) -> int:
+        """Requests waiting for admission: the waiting queue and the inbox's requests not yet
+        taken in. Any thread (an estimate while the loop runs)."""
+        return self.queues.num_waiting + self.inbox.qsize()
+
+    @property
+    def max_running_seen(self) -> int:
+        """Peak number of requests decoding together."""
+        return self.queues.max_running_seen
+
+    @property
+    def spec_stats(self):
+        """The speculative decoder's SpecStats, or None."""
+        d = self.decoder
+        return d.speculator.stats if isinstance(d, SpeculativeDecoder) else None
+
+    @property
+    def overlap_stats(self):
+        """The overlap pipeline's OverlapStats, or None."""
+        return self.decoder.stats if isinstance(self.decoder, OverlapDecoder) else None
+
+    @property
+    def has_work(self) -> bool:
+        """Something to step on (never while paused)."""
+        return (self.paused is None and not self.queues.empty) or self.decoder.busy
+
+    def token_usage(self) -> tuple[int, float]:
+        used = self.kv.pool_size - self.kv.available_tokens()
+        return used, used / self.kv.pool_size
+
+    def kv_holders(self) -> list[Req]:
+        """Every request that may hold KV slots now."""
+        holders = self.queues.active() + self.decoder.holders()
+        return holders + self.pd.holders() if self.pd is not None else holders
+
+    def check_kv_conservation(self) -> None:
+        self.kv.check_conservation(self.kv_holders())
+
+    def scheduled_requests(self) -> list[Req]:
+        """The requests of the queues: waiting, running and the chunked one."""
+        return self.queues.scheduled()
+
+    def held_requests(self) -> list[Req]:
+        """Every unfinished request the scheduler holds (queued, prefilling, running, the
+        grammar queue's and those of a disaggregated side's rooms)."""
+        reqs = self.queues.scheduled() + self.grammar.reqs
+        if self.pd is not None:
+            reqs = reqs + [r for r in self.pd.unfinished() if r not in reqs]
+        return reqs
+
+    def has_decode_row(self, extra: int) -> bool:
+        """Whether ``extra`` more requests fit beside the running ones (max_running)."""
+        return self.queues.num_running + extra < self.max_running
+
+    def reserved_tokens(self, extra: list[Req]) -> float:
+        """KV tokens the running requests and ``extra`` are forecast to still need."""
+        return reserved_for_running(list(self.queues.running) + extra, self.ratio.value)
 
     # ---- ingest --------------------------------------------------------------------
     def submit(self, item) -> None:
-        """Thread-safe: a list of Req to add, an AbortCommand or a CallInLoop."""
+        """Thread-safe: a list of Req to add, an AbortCommand, a CallInLoop or a message of
+        the disaggregated side."""
         self.inbox.put(item)
 
     def _ingest(self, block_s: float = 0.0) -> None:
@@ -123,26 +209,18 @@ class Scheduler(SchedulerOutput, SchedulerFaults):
                 return
 
     def _handle(self, item) -> None:
-        if self.overlap is not None and not isinstance(item, list):
-            self.overlap.drain()  # commands see no step in flight
+        if not isinstance(item, list):
+            self.decoder.drain()  # commands see no step in flight
         if isinstance(item, list):
-            if self.faults.failed is not None:
-                self._fail(item, f"the engine failed: {self.faults.failed}", ENGINE_FAILED_STATUS)
-                return
-            for req in item:
-                seed = req.sampling.seed
-                if seed is None and self.config.deterministic and not req.sampling.is_greedy:
-                    seed = DETERMINISTIC_DEFAULT_SEED
-                if seed is not None:
-                    req.generator = torch.Generator(self.runner.device).manual_seed(seed)
-                if self.grammar.hold(req):
-                    continue
-                if req.pd is not None and self.pd is not None:
-                    self.pd.add(req)
-                else:
-                    self.waiting.append(req)
+            self._take_in(item)
         elif isinstance(item, GrammarWake):
-            self.grammar.admit_compiled(self)
+            ready, failed = self.grammar.poll()
+            for req in ready:
+                self.queues.enqueue(req)
+            for req, reason in failed:
+                self.finish(req, reason)
+            if failed:
+                self._deliver([req for req, _ in failed])
         elif isinstance(item, AbortCommand):
             self.abort(item.rid, "aborted by request")
         elif isinstance(item, CallInLoop):
@@ -155,27 +233,27 @@ class Scheduler(SchedulerOutput, SchedulerFaults):
         else:
             raise TypeError(f"unknown scheduler command {item!r}")
 
-    @property
-    def num_running(self) -> int:
-        """Requests decoding now (a prefill in progress not counted)."""
-        return len(self.running)
+    def _take_in(self, reqs: list[Req]) -> None:
+        """New requests: seeded, then held for their grammar, handed to the disaggregated
+        side, or queued."""
+        if self.faults.failed is not None:
+            self.failures.fail(reqs, f"the engine failed: {self.faults.failed}",
+                               ENGINE_FAILED_STATUS)
+            return
+        for req in reqs:
+            seed = req.sampling.seed
+            if seed is None and self.config.deterministic and not req.sampling.is_greedy:
+                seed = DETERMINISTIC_DEFAULT_SEED
+            if seed is not None:
+                req.generator = torch.Generator(self.runner.device).manual_seed(seed)
+            if self.grammar.hold(req):
+                continue
+            if req.pd is not None and self.pd is not None:
+                self.pd.add(req)
+            else:
+                self.queues.enqueue(req)
 
-    @property
-    def num_waiting(self) -> int:
-        """Requests in the waiting queue."""
-        return len(self.waiting)
-
-    def num_queued(self) -> int:
-        """Requests waiting for admission: the waiting queue and the inbox's requests not yet
-        taken in. Any thread (an estimate while the loop runs)."""
-        return len(self.waiting) + self.inbox.qsize()
-
-    @property
-    def has_work(self) -> bool:
-        """Something to step on (never while paused: see engine/sched/pause.py)."""
-        return (self.paused is None and bool(self.waiting or self.running or self.chunked_req)
-                or (self.overlap is not None and self.overlap.busy))
-
+    # ---- the loop ------------------------------------------------------------------
     def run_forever(self, stop: Callable[[], bool]) -> None:
         """Loop until ``stop()`` is true, sleeping on the inbox when idle. Returns only then:
         a fault inside a step fails that step's batch; one outside any batch (taking in
@@ -226,44 +304,39 @@ class Scheduler(SchedulerOutput, SchedulerFaults):
 
     def close(self) -> None:
         """The loop has ended: take in a decode step still in flight (overlap scheduling)."""
-        if self.overlap is not None:
-            self.overlap.close()
-
-    def run_until_idle(self) -> None:
-        """Drain the inbox and step until no request is left (in-process use and tests)."""
-        self._ingest()
-        while self.has_work or (self.paused is None and self.grammar.queue):
-            if self.has_work:
-                self.step()
-            self._ingest(block_s=0.0 if self.has_work else 0.05)  # a grammar may be compiling
+        self.decoder.close()
 
     # ---- one step ------------------------------------------------------------------
     def step(self) -> None:
         """One batch: prefill if one can be admitted, else decode. A fault while building,
         running or processing it fails that batch's requests (status 500) and returns."""
-        self._batch = []
-        self._forwarded = False
+        step = StepRecord()
         try:
-            if self.overlap is None or not self.overlap.step():
-                items = self._build_prefill()
-                if items:
-                    self._run_prefill(items)
-                elif self.running:
-                    # A named range for profilers (bench offline); free when no profiler runs.
-                    with torch.profiler.record_function("decode_step"):
-                        self._run_decode()
+            if not self._prefill(step) and (self.queues.num_running or self.decoder.busy):
+                # A named range for profilers (bench offline); free when no profiler runs.
+                with torch.profiler.record_function("decode_step"):
+                    self.decoder.decode(step)
             if self.config.check_kv_conservation:
                 self.check_kv_conservation()
         except Exception as exc:  # noqa: BLE001 - one batch's fault must not stop the engine
-            self._on_step_fault(exc)
+            self.fail_step(exc, step.reqs)
         else:
             self.faults.note_success()
-        self._batch = []
-        if self.ep is not None and not self._forwarded:
+        if self.ep is not None and not step.forwarded:
             self._idle_forward()  # nothing admitted, or a fault before the forward
         self.kv_audit.after_step(self)
         if self.on_step is not None:
             self.on_step(self)
+
+    def _prefill(self, step: StepRecord) -> bool:
+        """Build and run a prefill batch if one can be admitted; whether one ran."""
+        if not self.queues.has_prefill_work:
+            return False
+        self.decoder.drain()  # a prefill changes the batch: no decode step in flight
+        items = self.prefill.build(step)
+        if items:
+            self.prefill.run(items, step)
+        return bool(items)
 
     def _idle_forward(self) -> None:
         """Join this step's MoE exchanges with no tokens (expert parallelism: another rank
@@ -278,188 +351,171 @@ class Scheduler(SchedulerOutput, SchedulerFaults):
         self.ep = None
         self.fail_engine(f"expert-parallel group broken: {describe(exc)}")
 
-    def token_usage(self) -> tuple[int, float]:
-        used = self.kv.pool_size - self.kv.available_tokens()
-        return used, used / self.kv.pool_size
+    # ---- a step's tokens -----------------------------------------------------------
+    def process_logits(self, logits: torch.Tensor, reqs: list[Req], prefill: bool) -> None:
+        """Sample and process one row of ``logits`` per request of ``reqs`` (a prefill's
+        finished prompts, or decoding requests), move them on and deliver their output."""
+        self._apply(self.output.sample_and_process(logits, reqs, prefill,
+                                                   hand_off=self.pd is not None), prefill)
 
-    def kv_holders(self) -> list[Req]:
-        """Every request that may hold KV slots now."""
-        holders = self.running + ([self.chunked_req] if self.chunked_req else [])
-        if self.overlap is not None:
-            holders = holders + self.overlap.holders()
-        return holders + self.pd.holders() if self.pd is not None else holders
+    def process_sampled_decode(self, out, reqs: list[Req]) -> None:
+        """Decode tokens sampled elsewhere (``out``: the Sampler's output for ``reqs``, or
+        None when ``reqs`` is empty): process them, move the requests on, deliver."""
+        processed = ProcessedStep() if out is None else \
+            self.output.process_sampled(out, reqs, False, time.perf_counter())
+        self._apply(processed, prefill=False)
 
-    def check_kv_conservation(self) -> None:
-        self.kv.check_conservation(self.kv_holders())
+    def report_decoded(self, reqs: list[Req]) -> None:
+        """Decoding requests that a decoder processed itself: finished ones leave the batch;
+        every one of ``reqs`` is delivered."""
+        self._apply(ProcessedStep(reported=list(reqs)), prefill=False)
 
-    def held_requests(self) -> list[Req]:
-        """Every unfinished request the scheduler holds (queued, prefilling, running, and
-        those of a disaggregated side's rooms)."""
-        reqs = self.waiting + self.running + ([self.chunked_req] if self.chunked_req else [])
-        reqs = reqs + self.grammar.reqs
-        if self.pd is not None:
-            reqs = reqs + [r for r in self.pd.unfinished() if r not in reqs]
-        return reqs
+    def _apply(self, processed: ProcessedStep, prefill: bool) -> None:
+        for req in processed.handed_off:
+            self.pd.prefilled(req)
+        for req in processed.started:
+            self.queues.start_running(req)
+        if not prefill:
+            self.queues.drop_finished()
+        self._deliver(processed.reported)
 
-    def unschedule(self, req: Req) -> None:
-        """Take ``req`` out of the waiting queue, the chunked slot and the running batch
-        (keeping its KV: its owner releases it)."""
-        if req is self.chunked_req:
-            self.chunked_req = None
-        for group in (self.waiting, self.running):
-            if req in group:
-                group.remove(req)
-
-    # ---- prefill -------------------------------------------------------------------
-    def _build_prefill(self) -> list[tuple[Req, int, torch.Tensor]]:
-        """Admit waiting requests (and continue a chunked one): (request, new tokens, their slots)."""
-        if not self.waiting and self.chunked_req is None:
-            return []
-        self.kv.prepare_admission(self.waiting)
-        budget = PrefillBudget.start(self.kv.available_tokens(), self.running, self.ratio.value,
-                                     self.config.max_prefill_tokens, self.config.chunk_size)
-        mixed_batch.reserve_decode_tokens(self, budget)
-        in_batch = InBatchPrefixes(enabled=not self.kv.cache.disabled)
-        if self.chunked_req is not None:
-            req = self.chunked_req
-            budget.add_chunk_continuation(req, req.seq_len - req.kv_len)
-            in_batch.add(req)
-            self._batch.append(req)
-        if budget.rem_chunk_tokens is not None and budget.rem_chunk_tokens <= 0:
-            return self._allocate(budget.added)
-        # lpm matches every waiting request to order them; reuse those matches below so a
-        # request is matched (and its nodes' hit counts bumped) once per turn. A preemption
-        # inserts into the tree, so matches taken before it are dropped.
-        matches: dict[int, MatchResult] = {}
-
-        def prefix_len(r: Req) -> int:
-            matches[id(r)] = self.kv.match(r)
-            return len(matches[id(r)].slots)
-
-        ordered = order_waiting(self.waiting, self.config.schedule_policy,
-                                cache_disabled=self.kv.cache.disabled, prefix_len=prefix_len,
-                                priority_first=self.config.enable_priority_scheduling)
-        for req in ordered:
-            match = matches.get(id(req)) or self.kv.match(req)
-            if in_batch.should_defer(req, len(match.slots)):
-                continue
-            if len(self.running) + len(budget.added) >= self.max_running:
-                if not preempt_for(self, req, budget):
-                    break
-                matches.clear()
-                match = self.kv.match(req)
-            matches.pop(id(req), None)
-            extend_len = req.seq_len - len(match.slots)
-            # Locking the matched prefix takes its evictable tokens out of the budget's
-            # available count, so they cannot also pay for this request's new tokens.
-            budget.rem_total_tokens -= self.kv.lock_cost(match)
-            result = budget.try_add(req, extend_len)
-            if result == AddResult.NO_TOKEN and preempt_for(self, req, budget, extend_len):
-                matches.clear()
-                result = budget.try_add(req, extend_len)
-            if result == AddResult.NO_TOKEN and not self.running and not budget.added \
-                    and extend_len < self.kv.available_tokens():
-                # Nothing else runs, so the forecast can never improve: start it and let
-                # retraction or the out-of-memory abort handle growth past the pool.
-                result = budget.try_add(req, extend_len, force=True)
-            if result in (AddResult.NO_TOKEN, AddResult.OTHER):
-                break
-            if not self.kv.admit(req, match):
-                budget.added.pop()
-                break
-            if req.num_retractions == 0:
-                req.cached_tokens = len(match.slots)
-            if req.admit_time is None:
-                req.admit_time = time.perf_counter()
-            self.waiting.remove(req)
-            self._batch.append(req)
-            in_batch.add(req)
-            if result == AddResult.CHUNKED:
-                break
-        return self._allocate(budget.added)
-
-    def _allocate(self, added: list[tuple[Req, int]]) -> list[tuple[Req, int, torch.Tensor]]:
-        """Reserve KV slots for each admitted chunk; requests that find none go back to waiting."""
-        items = []
-        for req, n in added:
-            slots = self.kv.extend(req, n)
-            if slots is None:
-                logger.warning("KV allocation of %d tokens failed for %s; requeued", n, req.rid)
-                if req is self.chunked_req:
-                    self.chunked_req = None
-                self.kv.release(req)
-                self.waiting.insert(0, req)
-                self._batch.remove(req)
-                continue
-            items.append((req, n, slots))
-        return items
-
-    def _run_prefill(self, items) -> None:
-        t0 = time.perf_counter()
-        batch, riders = mixed_batch.build(self, items)  # riders: running requests (mixed chunks)
-        self.faults.before_forward()
-        logits = self.runner.forward(batch)
-        self._forwarded = True
-        new_reqs = [r for r, _, _ in items if r is not self.chunked_req]
-        cached = sum(r.kv_len for r, _, _ in items)
-        new_tokens = sum(n for _, n, _ in items)
-        self.stats.prefill_input_tokens += new_tokens
-        self.stats.prefill_cached_tokens += sum(r.kv_len for r in new_reqs)
-        self.stats.forward_steps += 1
-        self.chunked_req = None
-        done_rows, done_reqs = [], []
-        for i, (req, n, _) in enumerate(items):
-            req.commit_kv(n)
-            if req.kv_len < req.seq_len:
-                self.kv.cache_unfinished(req)
-                self.chunked_req = req
-                if req.pd is not None and self.pd is not None:
-                    self.pd.after_chunk(req)
-                continue
-            done_rows.append(i)
-            done_reqs.append(req)
-        mixed_batch.finish_riders(self, logits[len(items):], riders)
-        if done_reqs:
-            self._sample_and_process(logits[done_rows], done_reqs, prefill=True)
-        _, usage = self.token_usage()
-        log_prefill(len(new_reqs), new_tokens, cached, usage, len(self.running),
-                    len(self.waiting), time.perf_counter() - t0)
-
-    # ---- decode --------------------------------------------------------------------
-    def _run_decode(self) -> None:
-        if self.kv.available_tokens() < len(self.running):
-            retract_for_decode(self)
-            if not self.running:
-                return
-        else:
-            self.ratio.step()
-        reqs = self.running
-        self._batch = list(reqs)
-        if self.spec is not None and self.spec.decode_step(self, reqs):
-            return
-        slots = self.kv.extend_decode(reqs)
-        batch: ForwardBatch = self.runner.build_decode_batch(reqs, slots)
-        self.faults.before_forward()
-        logits = self.runner.forward(batch)
-        self._forwarded = True
-        self.stats.forward_steps += 1
-        self.stats.note_decode(len(reqs))
-        for r in reqs:
-            r.commit_kv(1)
-        self._sample_and_process(logits, list(reqs), prefill=False)
-        self.log_decode_interval()
+    def _deliver(self, reqs: list[Req]) -> None:
+        self.on_output(reqs)
 
     def log_decode_interval(self) -> None:
         """Every ``decode_log_interval`` decode steps: the decode log line."""
         if self.stats.decode_steps % self.config.decode_log_interval == 0:
             used, usage = self.token_usage()
             self.stats.gen_throughput = self.stats.take_gen_throughput()
-            log_decode(len(self.running), used, usage, self.stats.gen_throughput, len(self.waiting))
+            log_decode(self.queues.num_running, used, usage, self.stats.gen_throughput,
+                       self.queues.num_waiting)
+
+    # ---- moving requests -----------------------------------------------------------
+    def enqueue(self, req: Req) -> None:
+        """``req`` (validated, KV-free) waits for admission."""
+        self.queues.enqueue(req)
+
+    def start_running(self, req: Req) -> None:
+        """``req``, whose prompt KV is in place and first token appended, decodes from now on
+        (a disaggregated decode side's request once its KV arrived)."""
+        self.queues.start_running(req)
+
+    def unschedule(self, req: Req) -> None:
+        """Take ``req`` out of the queues, keeping its KV (its owner releases it)."""
+        self.queues.remove(req)
 
     def retract(self, req: Req) -> None:
-        """Send a running request back to the waiting queue; its KV is freed (or cached)."""
-        self.running.remove(req)
+        """Send a running (or chunked) request back to the waiting queue; its KV is freed
+        (or cached)."""
+        self.queues.remove(req)
         self.kv.release(req)
         req.reset_for_retraction()
         self.stats.num_retracted_reqs += 1
-        self.waiting.append(req)
+        self.queues.enqueue(req)
+
+    def finish(self, req: Req, reason: FinishReason, release: bool = True) -> None:
+        """End ``req`` with ``reason`` and take it out of the queues; its KV returns to the
+        pool or cache unless ``release`` is False (a disaggregated request whose slots a peer
+        may still touch: its side releases them later)."""
+        req.finish_reason = reason
+        req.finish_time = time.perf_counter()
+        if release:
+            self.runner.collect_routes(req)
+            if self.decoder.holds(req):
+                self.decoder.defer_release(req)  # a step in flight still writes its KV
+            else:
+                self.kv.release(req)
+        if reason.type == "abort":
+            self.stats.num_aborted_reqs += 1
+        self.stats.num_finished_reqs += 1
+        self.stats.prompt_tokens += len(req.prompt_ids)
+        self.queues.remove(req)
+
+    def end_request(self, req: Req, reason: FinishReason, release: bool = True) -> None:
+        """:meth:`finish` ``req`` and deliver it."""
+        self.finish(req, reason, release)
+        self._deliver([req])
+
+    def abort(self, rid: str, message: str) -> bool:
+        """Abort a waiting, prefilling or running request; its KV returns to the pool or cache."""
+        if self.pd is not None and self.pd.abort(rid, message):
+            return True
+        req = self.grammar.remove(rid) or self.queues.find(rid)
+        if req is None:
+            return False
+        self.end_request(req, FinishReason("abort", message=message))
+        return True
+
+    def abort_all(self, message: str) -> None:
+        """Abort every request, queued in the inbox ones included (the loop is not running)."""
+        self._ingest()
+        for req in self.held_requests():
+            self.abort(req.rid, message)
+
+    # ---- control (engine/sched/pause.py) -------------------------------------------
+    def reconfigure(self, **changes) -> None:
+        """Replace config fields read per step (``chunked_prefill_size``,
+        ``enable_mixed_chunk``, ``schedule_policy``, ...) between steps; benchmarks compare
+        settings on one loaded engine."""
+        self.config = dataclasses.replace(self.config, **changes)
+        self.prefill = PrefillBuilder(self)
+
+    def reset_stats(self) -> None:
+        """Counters back to zero and a fresh new-token forecast."""
+        self.stats.reset()
+        self.ratio.reset()
+
+    def pause(self, mode: str) -> int:
+        """Pause in ``mode``; return how many requests the mode touched (aborted, retracted,
+        or held in place). Pausing again switches the mode."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
+        touched = self.queues.active()
+        if mode == "abort":
+            touched = list(self.queues.waiting) + touched
+            for req in touched:
+                self.abort(req.rid, ABORT_MESSAGE)
+        elif mode == "retract":
+            for req in touched:
+                self.retract(req)
+        self.paused = mode
+        return len(touched)
+
+    def resume(self) -> bool:
+        """Schedule again; False if not paused. ValueError, changing nothing, while memory is
+        released (engine/mem_cache/memory_saver.py): a step would run on freed tensors."""
+        released = sorted(self.memory_released)
+        if released:
+            raise ValueError(f"continue_generation: the memory of {released} is released; "
+                             f"call resume_memory_occupation({released}) first")
+        was = self.paused is not None
+        self.paused = None
+        return was
+
+    # ---- faults --------------------------------------------------------------------
+    def fail_step(self, exc: Exception, reqs: list[Req]) -> None:
+        """A step (or an overlapped step taken in later) failed with ``exc``: fail ``reqs``,
+        and the engine after too many faults in a row."""
+        give_up = self.failures.step_fault(exc, reqs)
+        if give_up:
+            self.fail_engine(give_up)
+
+    def fail_engine(self, reason: str) -> None:
+        """Stop serving: every held request and every later one ends with status 503, and
+        ``on_failed`` hears the reason once. Later calls keep the first reason."""
+        if self.failures.fail_engine(reason) and self.on_failed is not None:
+            self.on_failed(reason)
+
+    def _cancel_rebalance(self, reason: str) -> None:
+        if getattr(self.runner, "eplb", None) is not None:
+            self.runner.eplb.cancel(f"the engine failed: {reason}")
+
+    # ---- prefill-decode disaggregation (engine/disaggregation/) --------------------
+    def attach_pd(self, side) -> None:
+        """Make this scheduler the prefill or decode half of a pair (``side``)."""
+        self.pd = side
+
+    def after_prefill_chunk(self, req: Req) -> None:
+        """A chunk of ``req``'s prompt is in the pool: a prefill side sends what it can."""
+        if req.pd is not None and self.pd is not None:
+            self.pd.after_chunk(req)

@@ -30,6 +30,10 @@ class SchedulerStats:
         self._window_start = time.perf_counter()
         self._window_tokens = 0
 
+    def reset(self) -> None:
+        """Every counter back to zero, in place (the parts holding this object see it)."""
+        self.__init__()
+
     def note_decode(self, num_tokens: int) -> None:
         self.decode_steps += 1
         self._window_tokens += num_tokens

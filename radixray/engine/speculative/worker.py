@@ -1,6 +1,6 @@
 """The scheduler's speculative decode step: draft, verify in one forward, commit, free.
 
-:meth:`NgramSpeculator.decode_step` replaces a plain decode step when at least one running
+:meth:`NgramSpeculator.decode_step` (the scheduler's ``SpeculativeDecoder``) replaces a plain decode step when at least one running
 request has a draft. Each request then runs an extend over ``[last token] + draft`` at
 positions ``kv_len..`` with logits at every row (``ForwardBatch.all_logits``); requests
 without a draft ride along with one row, sampled by the standard sampler exactly as in a
@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,9 @@ from radixray.engine.models.llama import LlamaForCausalLM
 from radixray.engine.request import FinishReason, Req
 from radixray.engine.speculative.ngram import NgramIndex
 from radixray.engine.speculative.verify import accept_greedy, accept_sampled
+
+if TYPE_CHECKING:
+    from radixray.engine.sched.step import StepHost, StepRecord
 
 logger = logging.getLogger("radixray.scheduler")
 
@@ -133,11 +137,11 @@ class NgramSpeculator:
         return index.propose(req.all_ids, limit)
 
     # ---- the step ---------------------------------------------------------------------
-    def decode_step(self, s, reqs: list[Req]) -> bool:
-        """Run one verify step for ``s.running`` (``reqs``) on scheduler ``s``; False (nothing
-        done) when no request has a draft or the pool cannot hold the drafts' KV, and the
-        scheduler runs a plain decode step instead."""
-        reqs = list(reqs)  # finishing a request removes it from s.running
+    def decode_step(self, s: StepHost, reqs: list[Req], step: StepRecord) -> bool:
+        """Run one verify step for the running batch ``reqs`` of scheduler ``s``; False
+        (nothing done) when no request has a draft or the pool cannot hold the drafts' KV,
+        and the scheduler runs a plain decode step instead."""
+        reqs = list(reqs)  # finishing a request takes it out of the scheduler's batch
         drafts = [self.draft(r, s.runner.context_len) for r in reqs]
         drafted = sum(len(d) for d in drafts)
         if not drafted or s.kv.available_tokens() < len(reqs) + drafted:
@@ -151,7 +155,7 @@ class NgramSpeculator:
         batch = self._verify_batch(reqs, drafts, slots, s.runner.routes_experts)
         s.faults.before_forward()
         logits = s.runner.forward(batch)
-        s._forwarded = True
+        step.forwarded = True
         s.stats.forward_steps += 1
         self.stats.verify_steps += 1
         starts = [0]
@@ -162,13 +166,10 @@ class NgramSpeculator:
         for i in plain:
             reqs[i].commit_kv(1)
         s.stats.note_decode(committed + len(plain))
-        if plain:  # also drops finished requests from s.running and reports them
-            s._sample_and_process(logits[[starts[i] for i in plain]], [reqs[i] for i in plain],
-                                  prefill=False)
-        else:
-            s.running = [r for r in s.running if not r.finished]
-            s.max_running_seen = max(s.max_running_seen, len(s.running))
-        s.on_output([r for r, d in zip(reqs, drafts) if d])
+        if plain:  # also takes finished requests out of the batch and reports them
+            s.process_logits(logits[[starts[i] for i in plain]], [reqs[i] for i in plain],
+                             prefill=False)
+        s.report_decoded([r for r, d in zip(reqs, drafts) if d])
         s.log_decode_interval()
         if s.stats.decode_steps % s.config.decode_log_interval == 0:
             logger.info("Speculative decoding (%s): accept len %.2f, accept rate %.2f, "

@@ -324,10 +324,7 @@ class WeightUpdater:
         """Bump the version and mark where each live request's tokens switch weights."""
         self.version = version
         scheduler.kv.on_weight_version(version)
-        live = scheduler.waiting + scheduler.running
-        if scheduler.chunked_req is not None:
-            live.append(scheduler.chunked_req)
-        for req in live:
+        for req in scheduler.scheduled_requests():
             start_new_span(req, version)
 
 
