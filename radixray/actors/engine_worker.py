@@ -33,7 +33,7 @@ from radixray.engine.engine import Engine, StepChannel, attach_bootstrap
 from radixray.engine.faults import EngineFailed, EngineHealth
 from radixray.engine.inputs import build_requests
 from radixray.engine.messages import DEFAULT_GROUP
-from radixray.engine.sched.scheduler import CallInLoop
+from radixray.engine.sched.inbox import CallInLoop
 
 logger = logging.getLogger("radixray.worker")
 

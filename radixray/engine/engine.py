@@ -21,7 +21,8 @@ from radixray.engine.inputs import Limits, build_requests
 from radixray.engine.mem_cache.memory_saver import MemorySaver
 from radixray.engine.messages import MetaInfo, RequestUpdate
 from radixray.engine.request import Req
-from radixray.engine.sched.scheduler import AbortCommand, CallInLoop, Scheduler
+from radixray.engine.sched.inbox import AbortCommand, CallInLoop
+from radixray.engine.sched.scheduler import Scheduler
 from radixray.engine.stop import StopChecker, eos_token_ids
 from radixray.engine.weights.loader import resolve_model
 from radixray.engine.weights.session import DEFAULT_GROUP, WeightUpdater

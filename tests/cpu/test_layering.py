@@ -165,3 +165,29 @@ def test_no_import_cycles():
 def test_the_cycle_finder_finds_cycles():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
     assert _strongly_connected(graph) == [["a", "b", "c"]]
+
+
+QUEUE_FIELDS = {"running", "waiting", "chunked_req", "chunked", "queues"}
+SCHED = ROOT / "engine" / "sched"
+
+
+def _queue_reads(path: pathlib.Path) -> list[str]:
+    """Attribute accesses of the scheduler's queue fields (``x.running``, ``x.queues``, ...)
+    in ``path``, other than on ``self`` (a class's own fields of the same name)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and node.attr in QUEUE_FIELDS:
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            found.append(f"line {node.lineno}: .{node.attr}")
+    return found
+
+
+@pytest.mark.parametrize("name, path", [(n, p) for n, p in MODULES if SCHED not in p.parents],
+                         ids=[n for n, p in MODULES if SCHED not in p.parents])
+def test_only_the_scheduler_package_reads_its_queues(name, path):
+    """The scheduler's queues change only through its own methods; outside engine/sched/
+    code asks it (num_running, num_queued(), enqueue, retract, abort, ...) instead."""
+    reads = _queue_reads(path)
+    assert not reads, f"{name} reaches into the scheduler's queues:\n" + "\n".join(reads)

@@ -194,7 +194,7 @@ class MemorySaver:
             raise ValueError("release_memory_occupation needs generation paused: "
                              "call pause_generation first")
         if "kv_cache" in tags:
-            holders = len(s.queues.active())
+            holders = s.num_holding_kv
             rows = s.kv.req_pool.max_requests - s.kv.req_pool.available_size()
             if holders or rows:
                 raise ValueError(

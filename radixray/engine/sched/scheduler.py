@@ -17,11 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 
@@ -38,6 +35,7 @@ from radixray.engine.request import FinishReason, Req
 from radixray.engine.sched.admission import NewTokenRatio, reserved_for_running
 from radixray.engine.sched.decode import PlainDecoder, SpeculativeDecoder
 from radixray.engine.sched.failures import StepFailures
+from radixray.engine.sched.inbox import AbortCommand, CallInLoop, Inbox
 from radixray.engine.sched.output import OutputProcessor, ProcessedStep
 from radixray.engine.sched.overlap import OverlapDecoder
 from radixray.engine.sched.pause import ABORT_MESSAGE, PAUSE_MODES
@@ -49,19 +47,6 @@ from radixray.engine.speculative.worker import create_speculator
 from radixray.engine.stop import StopChecker
 
 logger = logging.getLogger("radixray.scheduler")
-
-
-@dataclass
-class AbortCommand:
-    rid: str
-
-
-@dataclass
-class CallInLoop:
-    """Run ``fn(scheduler)`` on the scheduler thread between steps; the result goes to ``future``."""
-
-    fn: Callable[[Scheduler], object]
-    future: Future
 
 
 class Scheduler:
@@ -82,7 +67,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.kv_audit = KVAudit(config.kv_audit_interval_steps)
         self.queues = RequestQueues()
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.inbox = Inbox()
         self.max_running = runner.max_running_requests
         # Optional observer called with the scheduler after every step (tests, tracing).
         self.on_step: Callable[[Scheduler], None] | None = None
@@ -90,7 +75,7 @@ class Scheduler:
         self.on_failed: Callable[[str], None] | None = None
         self.faults = StepFaults(config.max_consecutive_failed_steps)
         self.failures = StepFailures(self.faults, self.queues.remove, self.finish,
-                                     self._deliver, self.held_requests, self._cancel_rebalance)
+                                     on_output, self.held_requests, self._cancel_rebalance)
         self.output = OutputProcessor(sampler or Sampler(runner.vocab_size), stop_checker, self.kv, self.stats,
                                       runner.vocab_size, runner.context_len, self.finish)
         self.paused: str | None = None  # the pause mode while generation is paused
@@ -131,6 +116,11 @@ class Scheduler:
     def num_waiting(self) -> int:
         """Requests in the waiting queue."""
         return self.queues.num_waiting
+
+    @property
+    def num_holding_kv(self) -> int:
+        """Queued requests holding KV slots: the running ones and a chunked prompt."""
+        return len(self.queues.active())
 
     def num_queued(self) -> int:
         """Requests waiting for admission: the waiting queue and the inbox's requests not yet
@@ -197,16 +187,7 @@ class Scheduler:
         self.inbox.put(item)
 
     def _ingest(self, block_s: float = 0.0) -> None:
-        try:
-            item = self.inbox.get(timeout=block_s) if block_s > 0 else self.inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            self._handle(item)
-            try:
-                item = self.inbox.get_nowait()
-            except queue.Empty:
-                return
+        self.inbox.drain(self._handle, block_s)
 
     def _handle(self, item) -> None:
         if not isinstance(item, list):
@@ -220,7 +201,7 @@ class Scheduler:
             for req, reason in failed:
                 self.finish(req, reason)
             if failed:
-                self._deliver([req for req, _ in failed])
+                self.on_output([req for req, _ in failed])
         elif isinstance(item, AbortCommand):
             self.abort(item.rid, "aborted by request")
         elif isinstance(item, CallInLoop):
@@ -377,10 +358,7 @@ class Scheduler:
             self.queues.start_running(req)
         if not prefill:
             self.queues.drop_finished()
-        self._deliver(processed.reported)
-
-    def _deliver(self, reqs: list[Req]) -> None:
-        self.on_output(reqs)
+        self.on_output(processed.reported)
 
     def log_decode_interval(self) -> None:
         """Every ``decode_log_interval`` decode steps: the decode log line."""
@@ -434,7 +412,7 @@ class Scheduler:
     def end_request(self, req: Req, reason: FinishReason, release: bool = True) -> None:
         """:meth:`finish` ``req`` and deliver it."""
         self.finish(req, reason, release)
-        self._deliver([req])
+        self.on_output([req])
 
     def abort(self, rid: str, message: str) -> bool:
         """Abort a waiting, prefilling or running request; its KV returns to the pool or cache."""
