@@ -11,7 +11,7 @@ PROMPT ?= What is the capital of France?
 
 SERVE_ARGS ?=
 
-.PHONY: venv run generate test test-slow bench lint clean
+.PHONY: venv run generate test test-all test-slow bench lint clean
 
 venv: $(STAMP)
 
@@ -53,9 +53,15 @@ run: venv
 generate: venv
 	$(VENV)/bin/radixray generate --chat "$(PROMPT)"
 
+# The quick run a newcomer starts (tests marked slow left out).
 test: venv
 	$(PY) -m pytest tests -q --durations=20
 
+# Every test: the quick run plus everything marked slow (what CI runs).
+test-all: venv
+	$(PY) -m pytest tests -q -m "slow or not slow" --durations=30
+
+# Only the tests marked slow.
 test-slow: venv
 	$(PY) -m pytest tests -q -m slow
 
