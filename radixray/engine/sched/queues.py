@@ -1,9 +1,11 @@
 """The scheduler's requests by stage: waiting for admission, being prefilled in chunks, and
 decoding.
 
-:class:`RequestQueues` is the one place these collections change. The scheduler holds
-the only instance and calls its transitions; everyone else reads the scheduler's counts
-or asks it to act (enqueue, retract, finish, abort), never edits a list. Views are tuples,
+:class:`RequestQueues` is the one place these collections change, through named
+transitions. The scheduler holds the only instance; its own parts call the transitions
+(the prefill builder admits, requeues and sets the chunked request), and everything
+outside engine/sched/ reads the scheduler's counts or asks it to act (enqueue, retract,
+finish, abort), never edits a list. Views are tuples,
 so a caller that keeps one cannot change the queues by accident, and a caller that
 iterates one may act on the requests while it does.
 """
