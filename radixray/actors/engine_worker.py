@@ -20,20 +20,21 @@ import gc
 import logging
 import os
 import time
-from concurrent.futures import Future
+from collections.abc import Sequence
 
 from radixray.actors.lifecycle import start_owner_watch
 from radixray.actors.niceness import set_niceness
 from radixray.cluster.errors import WorkerDraining, WorkerQueueFull, WorkerUnavailable
 from radixray.cluster.messages import ChannelState, SubmitRequest, WorkerInfo, WorkerLoad
-from radixray.cluster.metrics import WorkerMetrics, scheduler_snapshot
+from radixray.cluster.metrics import WorkerMetrics, worker_load
 from radixray.cluster.shared_weights import SharedWeightsHandle, read_shared
 from radixray.cluster.tensor_payload import from_payload, is_payload
-from radixray.engine.engine import Engine, StepChannel, attach_bootstrap
-from radixray.engine.faults import EngineFailed, EngineHealth
-from radixray.engine.inputs import build_requests
+from radixray.engine.control import EngineSnapshot
+from radixray.engine.engine import Engine
+from radixray.engine.faults import EngineFailed, EngineHealth, FaultInjector
+from radixray.engine.inputs import attach_bootstrap, build_requests
 from radixray.engine.messages import DEFAULT_GROUP
-from radixray.engine.sched.inbox import CallInLoop
+from radixray.engine.streams import StepChannel
 
 logger = logging.getLogger("radixray.worker")
 
@@ -42,7 +43,11 @@ WARMUP_PROMPT = "The capital city of France is"
 
 class EngineWorker:
     """Wraps :class:`radixray.Engine` for serving. Use ``ray.remote(EngineWorker)``
-    (see :func:`worker_actor_class`) or call it directly in tests."""
+    (see :func:`worker_actor_class`) or call it directly in tests.
+
+    Its control verbs are the engine's (:class:`~radixray.engine.control.EngineControl`),
+    same names and parameters, as coroutines that call the Engine: scheduler-thread verbs
+    are awaited (no thread held while a step runs), blocking ones run in a thread."""
 
     def __init__(self, engine_options: dict, worker_id: str = "worker-0", warmup: bool = True,
                  log_level: str = "INFO", cores_shared_by: int = 1, niceness: int | None = 0,
@@ -78,20 +83,21 @@ class EngineWorker:
         self.engine = Engine(worker_id=worker_id, **options)
         self.role = options.get("disaggregation_mode") or "unified"
         self._outbox = None
-        if self.engine.pd is not None:
+        paired = self.role != "unified"
+        if paired:
             from radixray.actors.pd_outbox import PDOutbox
             if fleet is None:
                 raise ValueError(f"a {self.role} worker needs the fleet's controller handle")
-            self._outbox = PDOutbox(fleet, self.engine.pd)
-            self.engine.pd.set_outbox(self._outbox)
+            self._outbox = PDOutbox(fleet, self.engine.pd_undeliverable)
+            self.engine.connect_pd_outbox(self._outbox)
         if niceness is not None:
             self._set_niceness(niceness)  # threads the engine started meanwhile
-        if self.engine.pd is not None and compute_nice_offset:
+        if paired and compute_nice_offset:
             self._lower_compute_priority(compute_nice_offset)
         self.metrics = WorkerMetrics(worker_id, *slo)
         self.max_queued_requests, self.retry_after_s = max_queued_requests, retry_after_s
         self.pd_metrics = None
-        if self.engine.pd is not None:
+        if paired:
             from radixray.cluster.pd_metrics import PDMetrics
             self.pd_metrics = PDMetrics(worker_id, self.role)
         self.draining = False
@@ -151,8 +157,8 @@ class EngineWorker:
                 yield msg
         finally:
             self._channels.pop(channel_id, None)
-            for rid in list(rids):
-                self.engine.abort(rid)
+            self.engine.abort(list(rids))
+            for rid in rids:
                 self.metrics.forget(rid)
             if rids:
                 logger.info("channel %s closed: aborted %d unfinished request(s)", channel_id,
@@ -190,75 +196,54 @@ class EngineWorker:
         limit = self.max_queued_requests
         if limit is None:
             return
-        queued = self.engine.scheduler.num_queued()
+        queued = self.engine.num_queued()
         if queued + incoming > limit:
             raise WorkerQueueFull(
                 f"worker {self.worker_id} has {queued} requests waiting for admission "
                 f"(server.max_queued_requests={limit}); retry in {self.retry_after_s} s",
                 self.retry_after_s)
 
-    async def abort(self, rids: list[str]) -> None:
-        for rid in rids:
-            self.engine.abort(rid)
+    async def abort(self, rids: str | Sequence[str]) -> None:
+        self.engine.abort(rids)
 
     # ---- control -------------------------------------------------------------------
-    async def _in_loop(self, fn):
-        """Run ``fn(scheduler)`` between scheduler steps without blocking this actor's loop."""
-        future: Future = Future()
-        self.engine.scheduler.submit(CallInLoop(fn, future))
-        return await asyncio.wrap_future(future)
+    async def _later(self, verb, *args):
+        """Await a scheduler-thread verb of the engine without blocking this actor's loop."""
+        return await asyncio.wrap_future(self.engine.submit_verb(verb, *args))
 
     async def info(self) -> WorkerInfo:
         """Static facts the ingress needs: limits, model path, worker id."""
         limits = self.engine.limits
-        pd = self.engine.pd
+        session, layout = self.engine.pd_endpoint()
         return WorkerInfo(self.worker_id, self.engine.config.model, limits.context_len,
                           limits.vocab_size, limits.max_total_tokens, self.draining, self.role,
-                          pd.session if pd else None, pd.layout if pd else None,
-                          self.generation, self.started_at, self.engine.get_weight_version(),
-                          os.getpid())
+                          session, layout, self.generation, self.started_at,
+                          self.engine.get_weight_version(), os.getpid())
 
     # ---- prefill-decode disaggregation (engine/disaggregation/, actors/pd_outbox.py) -----
     async def pd_deliver(self, message) -> None:
         """A room message from the other worker of a pair."""
-        if self.engine.pd is None:
-            raise ValueError(f"worker {self.worker_id} is unified: it takes no room messages")
-        self.engine.pd.deliver(message)
+        self.engine.pd_deliver(message)
 
     async def pd_status(self) -> dict:
         """Rooms of this worker's side by state, and whether a test stall holds the sender."""
-        pd = self.engine.pd
-        if pd is None:
-            return {}
-        counts = await self._in_loop(lambda s: s.pd.counts())
-        return {**counts, "rooms": await self._in_loop(lambda s: len(s.pd.rooms)),
-                "stalled": pd.stalled.is_set() if pd.stalled is not None else False}
-
-    async def inject_pd_stall(self, seconds: float) -> None:
-        """Test hook (prefill worker): the KV sender stops for ``seconds`` before the next
-        room's last write (its first chunks are written), as a transfer cut mid-way."""
-        self.engine.pd.stall_next_final_write(seconds)
+        return await self._later(self.engine.pd_status)
 
     async def pd_probe(self, decode_worker: str, session: str, layout) -> float:
         """Handshake (prefill worker): write this pool's padding slot into ``decode_worker``'s
         over the transport, every layer; returns the seconds it took."""
-        pd = self.engine.pd
-        if pd is None or pd.mode != "prefill":
-            raise ValueError(f"worker {self.worker_id} is {self.role}, not prefill")
-        return await asyncio.to_thread(pd.probe, session, layout)
+        return await asyncio.to_thread(self.engine.pd_probe, session, layout)
+
+    async def snapshot(self) -> EngineSnapshot:
+        return await self._later(self.engine.snapshot)
 
     async def load(self) -> WorkerLoad:
         """Running / queued requests, KV usage, weight version and released memory now."""
-        snap = await self._in_loop(scheduler_snapshot)
-        snap.role = self.role
-        snap.startup_seconds = self.startup_seconds
-        snap.weight_load_seconds = self.engine.runner.weight_load_seconds
+        snap = await self.snapshot()
         if snap.pd is not None:
             self.pd_metrics.observe(snap.pd)
-        snap.inflight = self.num_inflight()
-        snap.weight_version = self.engine.get_weight_version()
-        snap.memory_released = sorted(self.engine.memory.released)
-        return snap
+        return worker_load(snap, role=self.role, startup_seconds=self.startup_seconds,
+                           inflight=self.num_inflight())
 
     def num_inflight(self) -> int:
         return sum(len(rids) for _, rids in self._channels.values())
@@ -283,9 +268,10 @@ class EngineWorker:
         self.engine.on_failure(tell)
         return await failed
 
-    async def inject_faults(self, count: int, message: str = "injected fault") -> None:
-        """Test hook: the next ``count`` forward passes raise (-1: every one; 0: stop)."""
-        self.engine.inject_faults(count, message)
+    async def attach_fault_injector(self, injector: FaultInjector | None) -> None:
+        """Tests only: the engine's fault points consult ``injector`` (this actor's copy of
+        it) from now on; None detaches it."""
+        self.engine.attach_fault_injector(injector)
 
     async def resume(self) -> None:
         """Take requests again after :meth:`drain`."""
@@ -306,19 +292,20 @@ class EngineWorker:
         return self.num_inflight()
 
     async def pause_generation(self, mode: str = "abort") -> int:
-        """See :meth:`radixray.Engine.pause_generation`."""
-        return await self._in_loop(lambda s: s.pause(mode))
+        return await self._later(self.engine.pause_generation, mode)
 
     async def continue_generation(self) -> bool:
-        return await self._in_loop(lambda s: s.resume())
+        return await self._later(self.engine.continue_generation)
 
-    async def rebalance_experts(self) -> dict:
-        """See :meth:`radixray.Engine.rebalance_experts` (waits for a weight-update session
-        to end, off the actor's event loop)."""
-        return await asyncio.to_thread(self.engine.rebalance_experts)
+    async def rebalance_experts(self, timeout: float = 600.0) -> dict:
+        """Waits for a weight-update session to end off the actor's event loop."""
+        return await asyncio.to_thread(self.engine.rebalance_experts, timeout)
 
     async def flush_cache(self) -> bool:
-        return await self._in_loop(lambda s: s.kv.flush_cache())
+        return await self._later(self.engine.flush_cache)
+
+    async def check_kv_conservation(self) -> dict:
+        return await self._later(self.engine.check_kv_conservation)
 
     async def generate_group(self, input_ids: list[int], n: int, sampling_params: dict | list,
                              priority: int = 0) -> list[dict]:
@@ -334,27 +321,26 @@ class EngineWorker:
             out["meta_info"]["worker_id"] = self.worker_id
         return outs
 
-    # ---- RL control: memory and weights (engine/mem_cache/memory_saver.py, engine/weights/session.py)
+    # ---- RL control: memory and weights (engine/mem_cache/memory_saver.py, engine/weights/)
     async def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
-        self.engine.check_memory_release(tags)
-        return await self._in_loop(lambda s: self.engine.memory.release(tags))
+        return await self._later(self.engine.release_memory_occupation, tags)
 
     async def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
-        return await self._in_loop(lambda s: self.engine.memory.resume(tags))
+        return await self._later(self.engine.resume_memory_occupation, tags)
 
     async def begin_weight_update(self) -> None:
         self.engine.begin_weight_update()
 
-    async def update_weights_from_tensor(self, named) -> dict:
-        """Stage ``(name, tensor)`` pairs, a :class:`~radixray.cluster.shared_weights.
-        SharedWeightsHandle` (a colocated trainer's shared-memory file, read in place), or a
-        :func:`~radixray.cluster.tensor_payload.to_payload` list (passed as a top-level
-        ObjectRef, Ray maps it from the object store)."""
-        if isinstance(named, SharedWeightsHandle):
-            named = read_shared(named)
-        elif is_payload(named):
-            named = list(from_payload(named))
-        return await asyncio.to_thread(self.engine.update_weights_from_tensor, named)
+    async def update_weights_from_tensor(self, named_tensors) -> dict:
+        """``named_tensors``: ``(name, tensor)`` pairs, a :class:`~radixray.cluster.
+        shared_weights.SharedWeightsHandle` (a colocated trainer's shared-memory file, read in
+        place), or a :func:`~radixray.cluster.tensor_payload.to_payload` list (passed as a
+        top-level ObjectRef, Ray maps it from the object store)."""
+        if isinstance(named_tensors, SharedWeightsHandle):
+            named_tensors = read_shared(named_tensors)
+        elif is_payload(named_tensors):
+            named_tensors = list(from_payload(named_tensors))
+        return await asyncio.to_thread(self.engine.update_weights_from_tensor, named_tensors)
 
     async def update_weights_from_disk(self, model_path: str) -> dict:
         return await asyncio.to_thread(self.engine.update_weights_from_disk, model_path)
@@ -378,18 +364,16 @@ class EngineWorker:
     async def prepare_weight_update(self, weight_version: int) -> dict:
         """The first half of ending a session (fleet updates: every worker prepares, then
         every worker commits); nothing serving changes."""
-        self._weight_fault("prepare")
-        return await asyncio.to_thread(self.engine.weights.prepare, weight_version)
+        return await asyncio.to_thread(self.engine.prepare_weight_update, weight_version)
 
     async def commit_weight_update(self) -> int:
-        self._weight_fault("commit")
-        return await self._in_loop(self.engine.weights.commit)
+        return await self._later(self.engine.commit_weight_update)
 
     async def rollback_weight_update(self) -> bool:
-        return await self._in_loop(self.engine.weights.rollback)
+        return await self._later(self.engine.rollback_weight_update)
 
     async def finish_weight_update(self) -> dict:
-        return self.engine.weights.finish()
+        return self.engine.finish_weight_update()
 
     async def abort_weight_update(self) -> bool:
         return self.engine.abort_weight_update()
@@ -399,23 +383,6 @@ class EngineWorker:
 
     async def get_weight_version(self) -> int:
         return self.engine.get_weight_version()
-
-    async def inject_weight_update_fault(self, phase: str | None) -> None:
-        """Test hook: the next ``prepare`` or ``commit`` of a weight update raises (None: off)."""
-        self._weight_fault_phase = phase
-
-    def _weight_fault(self, phase: str) -> None:
-        if getattr(self, "_weight_fault_phase", None) == phase:
-            self._weight_fault_phase = None
-            raise RuntimeError(f"injected weight update fault at {phase} on {self.worker_id}")
-
-    async def check_kv_conservation(self) -> dict:
-        """Assert free + request-held + cache-held == pool size; return the numbers."""
-        def check(s) -> dict:
-            s.check_kv_conservation()
-            return {"free": s.kv.allocator.available_size(), "cached": s.kv.cache.total_size(),
-                    "pool": s.kv.pool_size, "running": s.num_running, "waiting": s.num_waiting}
-        return await self._in_loop(check)
 
     async def metric_families(self) -> list:
         """This worker's Prometheus families (picklable) for the ingress's /metrics."""

@@ -2,6 +2,10 @@
 fleet-wide fan-outs (pause, memory, KV checks), views (health, state, metrics) and the RL
 control plane's weight updates (actors/weight_rollout.py).
 
+The fleet-wide control verbs implement :class:`~radixray.engine.control.FleetControl`
+(tests/cpu/test_control_surface.py checks the names and parameters): each asks every live
+worker's engine verb and reports by worker id.
+
 A mixin of :class:`~radixray.actors.controller.Controller`, which owns the state these
 methods read: ``registry``, ``router``, ``weights``, ``pd``, ``draining``, ``policy``,
 and ``_publish`` / ``_checkpoint`` to tell the router and the checkpoint of a change.

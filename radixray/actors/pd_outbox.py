@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 
 from radixray.cluster.errors import unwrap_ray_error
 
@@ -22,9 +23,10 @@ LOOKUP_TIMEOUT_S = 10.0
 
 
 class PDOutbox:
-    def __init__(self, controller, link):
-        """``controller``: the fleet's controller handle; ``link``: the engine's PDLink."""
-        self.controller, self.link = controller, link
+    def __init__(self, controller, undeliverable: Callable[[object, str], None]):
+        """``controller``: the fleet's controller handle; ``undeliverable(message, error)``:
+        the engine's answer to a message that did not arrive (``Engine.pd_undeliverable``)."""
+        self.controller, self.undeliverable = controller, undeliverable
         self._handles: dict[str, object] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="radixray-pd-outbox",
@@ -66,4 +68,4 @@ class PDOutbox:
         error = f"worker {worker_id}: {unwrap_ray_error(exc)}"
         logger.warning("room %d: %s not delivered to %s", message.room,
                        type(message).__name__, error)
-        self.link.undeliverable(message, error)
+        self.undeliverable(message, error)

@@ -58,35 +58,27 @@ def _rank(rank: int, size: int, address: str | None, model: str, shares, args: d
     ep = {"ep_size": size, "ep_rank": rank, "ep_init_method": address} if size > 1 else {}
     eng = Engine(model=model, dtype="float32", max_total_tokens=args["max_total_tokens"],
                  num_threads=args["threads"], **ep)
-    forward_s = [0.0]
-    inner = eng.runner.forward
-
-    def timed(batch):
-        t0 = time.perf_counter()
-        try:
-            return inner(batch)
-        finally:
-            forward_s[0] += time.perf_counter() - t0
-    eng.runner.forward = timed
+    forward = eng.time_forwards()
+    facts = eng.model_facts()
     params = {"max_new_tokens": args["max_new_tokens"], "temperature": 0.0, "ignore_eos": True}
     try:
         eng.generate(input_ids=shares[rank][:1], sampling_params={**params, "max_new_tokens": 2})
-        blocks = getattr(eng.runner.model, "moe_blocks", [])
+        blocks = getattr(facts.module, "moe_blocks", [])
         for block in blocks:  # count the measured run only
             if hasattr(block.experts, "counters"):
                 block.experts.counters = type(block.experts.counters)()
-        forward_s[0] = 0.0
+        forward.seconds = 0.0
         t0 = time.perf_counter()
         outs = eng.generate(input_ids=shares[rank], sampling_params=params)
         elapsed = time.perf_counter() - t0
         counters = [b.experts.counters for b in blocks if hasattr(b.experts, "counters")]
         results.put({"rank": rank, "tokens": sum(len(o["output_ids"]) for o in outs),
-                     "elapsed_s": elapsed, "forward_s": forward_s[0],
+                     "elapsed_s": elapsed, "forward_s": forward.seconds,
                      "comm_s": sum(c.seconds for c in counters),
                      "bytes_sent": sum(c.bytes_sent for c in counters),
                      "moe_layers": len(blocks), "hidden": eng.hf_config.hidden_size,
                      "top_k": eng.hf_config.num_experts_per_tok,
-                     "dtype": str(eng.runner.dtype).replace("torch.", ""),
+                     "dtype": str(facts.dtype).replace("torch.", ""),
                      "torch_threads": torch.get_num_threads()})
         time.sleep(1.0)  # let every rank report before the group stops
     finally:

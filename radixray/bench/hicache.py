@@ -41,11 +41,7 @@ def _ttft(eng, prompt: list[int]) -> tuple[float, int, int]:
 def _drop(eng, host: bool) -> None:
     """Evict every cached prefix from the KV pool (write_through keeps its host copy);
     with ``host`` the host tier's copies too."""
-    def drop(s):
-        s.kv.cache.evict(s.kv.cache.total_size())
-        if host:
-            s.kv.host_cache.reset()
-    eng.call_in_loop(drop)
+    eng.evict_cache(host_tier=host)
 
 
 def run(model: str, tokens: int, repeats: int, engine_options: dict) -> dict:
@@ -77,7 +73,7 @@ def run(model: str, tokens: int, repeats: int, engine_options: dict) -> dict:
             cached["recompute"].append(c)
             if len(set(firsts.values())) != 1:
                 raise AssertionError(f"first tokens differ between tiers: {firsts}")
-        stats = hi.call_in_loop(lambda s: s.kv.tier_snapshot())
+        stats = hi.snapshot().hicache
     result = {"model": model, "tokens": tokens, "repeats": repeats,
               "ttft_s": {m: statistics.median(v) for m, v in times.items()},
               "cached_tokens": {m: statistics.median(v) for m, v in cached.items()},
@@ -107,9 +103,10 @@ def layout_check(model: str, tokens: int, new_tokens: int, engine_options: dict)
                 again = eng.generate(input_ids=prompt, sampling_params=greedy)["output_ids"]
                 equal.append(next((i for i, (a, b) in enumerate(zip(first, again)) if a != b),
                                   len(first)))
+            tiers = eng.snapshot().hicache
             out[layout] = {"equal_prefix_tokens": equal,
-                           "host_hit_tokens": eng.scheduler.kv.stats.host_hit_tokens,
-                           "host_bytes_per_token": eng.scheduler.kv.host.bytes_per_token}
+                           "host_hit_tokens": tiers["host_hit_tokens"],
+                           "host_bytes_per_token": tiers["host_bytes_per_token"]}
     return out
 
 

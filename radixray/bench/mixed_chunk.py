@@ -70,10 +70,7 @@ def set_mode(engine, chunk_size: int, mixed: bool) -> None:
     """Between runs, on the scheduler thread: this chunk size and mixing, an empty prefix cache
     (the same prompts run again) and fresh counters. One engine serves every run, so model
     loading (a minute for int8 on a busy 2-vCPU host) is paid once."""
-    def apply(s) -> None:
-        s.reconfigure(chunked_prefill_size=chunk_size, enable_mixed_chunk=mixed)
-        s.reset_stats()
-    engine.call_in_loop(apply)
+    engine.retune_prefill(chunk_size, mixed)
     assert engine.flush_cache(), "the prefix cache could not be flushed between runs"
 
 
@@ -82,7 +79,7 @@ def run_once(engine, args, prompts: list[list[int]], chunk_size: int, mixed: boo
     set_mode(engine, chunk_size, mixed)
     records, seconds = asyncio.run(_stream_all(engine, prompts, args.output_len,
                                                args.concurrency))
-    stats = engine.scheduler.stats
+    stats = engine.snapshot()
     summary = summarize(records, seconds, label=f"chunk {chunk_size} mixed {mixed}",
                         max_concurrency=args.concurrency)
     summary.update(chunk_size=chunk_size, mixed=mixed, mixed_forwards=stats.mixed_forwards,

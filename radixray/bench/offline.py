@@ -51,10 +51,8 @@ def python_overhead(engine, batch: int, ctx: int, steps: int = 8) -> dict:
     prompts = random_token_prompts(batch, ctx, engine.limits.vocab_size, 99)
     params = {"temperature": 0.0, "max_new_tokens": steps + 1, "ignore_eos": True}
     prof = profile(activities=[ProfilerActivity.CPU])
-    # The profiler must start and stop on the scheduler thread, where the steps run.
-    engine.call_in_loop(lambda _: prof.start())
-    engine.generate(input_ids=prompts, sampling_params=params)
-    engine.call_in_loop(lambda _: prof.stop())
+    with engine.profiling(prof):  # on the scheduler thread, where the steps run
+        engine.generate(input_ids=prompts, sampling_params=params)
     engine.flush_cache()
     step_events = [e for e in prof.events() if e.name == "decode_step"]
     wall = sum(e.cpu_time_total for e in step_events) / 1000 / len(step_events)
@@ -74,8 +72,9 @@ def run_offline_bench(args, engine_options: dict) -> dict:
         max_batch * (args.context_len + args.decode_steps + 2), args.prefill_prompts * (args.prefill_len + 2)) + 64
     engine = Engine(**{**engine_options, "max_total_tokens": pool,
                        "max_running_requests": max(max_batch, args.max_running_requests or 0)})
-    cost = ModelCost.of(engine.runner.model, engine.runner.bytes_per_token)
-    dtype = engine.runner.dtype
+    facts = engine.model_facts()
+    cost = ModelCost.of(facts.module, facts.kv_bytes_per_token)
+    dtype = facts.dtype
     results: dict = {"model": args.model, "dtype": str(dtype).removeprefix("torch."),
                      "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
                      "quantize_lm_head": args.quantize_lm_head,

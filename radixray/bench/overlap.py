@@ -33,17 +33,19 @@ def _decode_run(eng, prompts: list[list[int]], new_tokens: int) -> dict:
     """One batch to ``new_tokens``, less the same batch to its first token (the prefill):
     the decode steps' wall time, and the scheduler work the pipeline hid meanwhile."""
     prefill_s = _timed(eng, prompts, 1)
-    steps0, hidden0 = eng.call_in_loop(lambda s: (s.stats.decode_steps, _hidden(s)))
+    steps0, hidden0 = _decode_counters(eng)
     wall = _timed(eng, prompts, new_tokens)
-    steps1, hidden1 = eng.call_in_loop(lambda s: (s.stats.decode_steps, _hidden(s)))
+    steps1, hidden1 = _decode_counters(eng)
     decode_s = max(wall - prefill_s, 1e-9)
     steps = max(steps1 - steps0, 1)
     return {"wall_s": wall, "decode_s": decode_s, "decode_steps": steps,
             "step_ms": 1e3 * decode_s / steps, "hidden_s": hidden1 - hidden0}
 
 
-def _hidden(s) -> float:
-    return s.overlap_stats.hidden_s if s.overlap_stats is not None else 0.0
+def _decode_counters(eng) -> tuple[int, float]:
+    """Decode steps so far, and the scheduler seconds the overlap pipeline hid so far."""
+    snap = eng.snapshot()
+    return snap.decode_steps, snap.overlap["hidden_s"] if snap.overlap is not None else 0.0
 
 
 def run(args) -> dict:
@@ -54,7 +56,7 @@ def run(args) -> dict:
     engines = {mode: Engine(enable_overlap_schedule=mode == "on", **options)
                for mode in ("off", "on")}
     try:
-        vocab = engines["off"].runner.vocab_size
+        vocab = engines["off"].limits.vocab_size
         prompts = random_token_prompts(args.requests, args.prompt_len, vocab, seed=0)
         for eng in engines.values():  # warm-up
             _decode_run(eng, prompts[:2], 4)
@@ -62,7 +64,7 @@ def run(args) -> dict:
         for _ in range(args.repeats):
             for mode, eng in engines.items():
                 runs[mode].append(_decode_run(eng, prompts, args.max_new_tokens))
-        overlap = engines["on"].call_in_loop(lambda s: s.overlap_stats.snapshot())
+        overlap = engines["on"].snapshot().overlap
     finally:
         for eng in engines.values():
             eng.shutdown()

@@ -80,7 +80,7 @@ def run(args) -> dict:
             **common, speculative_algorithm="NGRAM",
             speculative_num_draft_tokens=args.num_draft_tokens) as spec:
         tok = plain.tokenizer
-        noise = random_prompts(plain.runner.vocab_size, args.prompts)
+        noise = random_prompts(plain.limits.vocab_size, args.prompts)
         workloads = {  # name -> (prompts, temperature)
             "repetitive": (repetitive_prompts(lambda s: tok.encode(s), args.prompts), 0.0),
             "random": (noise, 0.0),

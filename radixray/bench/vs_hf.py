@@ -119,7 +119,7 @@ def run(args) -> dict:
                         quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
                         kv_cache_dtype=args.kv_cache_dtype, max_total_tokens=pool,
                         max_running_requests=max(levels))
-        dtype = engine.runner.dtype
+        dtype = engine.model_facts().dtype
         prompts = random_token_prompts(args.num_prompts, args.input_len, engine.limits.vocab_size,
                                  args.seed)
         results: dict = {"model": args.model, "random_weights": bool(scratch),

@@ -142,7 +142,7 @@ def run(args) -> dict:
                 samples.append(_one_update(engine, version, stage))
             if trainer is not None:
                 trainer.wait(timeout=600)
-                engine.weights.destroy_group("bench")
+                engine.destroy_weights_update_group("bench")
             results["paths"][kind] = _median_rows(samples)
             logger.info("%s: %s", kind, results["paths"][kind])
         results["rental"] = _median_rows([_rental(engine) for _ in range(args.repeats)])

@@ -2,7 +2,7 @@
 
 Worker side: :class:`WorkerMetrics` keeps one registry per EngineWorker. Request
 histograms are observed as updates leave the worker; scheduler counters and
-gauges are read from a snapshot of the scheduler at scrape time. Every series
+gauges are read from the engine's snapshot at scrape time. Every series
 carries a ``worker`` label.
 
 Ingress side: ``GET /metrics`` asks every worker for its families
@@ -14,6 +14,7 @@ name across workers.
 from __future__ import annotations
 
 import time
+from dataclasses import fields
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import (
@@ -24,7 +25,7 @@ from prometheus_client.core import (
 )
 
 from radixray.cluster.messages import WorkerLoad
-from radixray.cluster.pd_metrics import side_snapshot
+from radixray.engine.control import EngineSnapshot
 from radixray.engine.messages import RequestUpdate
 
 PREFIX = "radixray:"
@@ -34,25 +35,12 @@ ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5,
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
 
 
-def scheduler_snapshot(scheduler) -> WorkerLoad:
-    """Counters and gauges of one scheduler; call on the scheduler thread (CallInLoop)."""
-    st = scheduler.stats
-    used, usage = scheduler.token_usage()
-    return WorkerLoad(
-        num_used_tokens=used, max_total_num_tokens=scheduler.kv.pool_size,
-        num_running_reqs=scheduler.num_running, num_queue_reqs=scheduler.num_waiting,
-        token_usage=usage, gen_throughput=st.gen_throughput if scheduler.num_running else 0.0,
-        prompt_tokens=st.prompt_tokens, generation_tokens=st.generation_tokens,
-        prefill_input_tokens=st.prefill_input_tokens,
-        prefill_cached_tokens=st.prefill_cached_tokens,
-        num_retracted_reqs=st.num_retracted_reqs, num_aborted_reqs=st.num_aborted_reqs,
-        failed_steps=scheduler.faults.total, engine_failed=scheduler.faults.failed is not None,
-        paused=scheduler.paused, kv_slot_leak=scheduler.kv_audit.leak,
-        pd=side_snapshot(scheduler.pd) if scheduler.pd is not None else None,
-        eplb=eplb.snapshot() if (eplb := getattr(scheduler.runner, "eplb", None)) else None,
-        hicache=scheduler.kv.tier_snapshot(),
-        grammar=scheduler.grammar.snapshot(),
-        spec=spec.snapshot() if (spec := scheduler.spec_stats) is not None else None)
+def worker_load(snapshot: EngineSnapshot, **worker) -> WorkerLoad:
+    """A worker's load: its engine's snapshot (``Engine.snapshot()``), plus ``worker``, the
+    fields only the worker knows (role, inflight, startup_seconds)."""
+    names = {f.name for f in fields(WorkerLoad)}
+    return WorkerLoad(**{f.name: getattr(snapshot, f.name) for f in fields(snapshot)
+                         if f.name in names}, **worker)
 
 
 class WorkerMetrics:

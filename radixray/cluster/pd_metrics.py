@@ -19,15 +19,6 @@ THROUGHPUT_BUCKETS = tuple(x * 1e6 for x in (10, 50, 100, 250, 500, 750, 1000, 1
                                              3000, 5000, 10000, 25000))
 
 
-def side_snapshot(side) -> dict:
-    """What a load snapshot carries of a side (scheduler thread); takes its transfers."""
-    transfers = getattr(side, "transfers", [])
-    snap = {"counts": side.counts(), "bootstrap_failed": side.bootstrap_failed,
-            "transfer_failed": side.transfer_failed, "transfers": list(transfers)}
-    transfers.clear()
-    return snap
-
-
 class PDMetrics:
     def __init__(self, worker_id: str, role: str):
         self.worker_id, self.role = worker_id, role

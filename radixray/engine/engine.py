@@ -3,81 +3,43 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import torch
 
 from radixray.engine.config import EngineConfig
-from radixray.engine.detokenizer import IncrementalDetokenizer
+from radixray.engine.control import (
+    LONG_LOOP_TIMEOUT_S,
+    EngineSnapshot,
+    ForwardTimer,
+    ModelFacts,
+    scheduler_verb,
+)
 from radixray.engine.ep.eplb import ExpertBalancer, request_rebalance
 from radixray.engine.executor.model_runner import ModelRunner
-from radixray.engine.faults import ENGINE_FAILED_STATUS, EngineFailed, EngineHealth
+from radixray.engine.faults import ENGINE_FAILED_STATUS, EngineFailed, EngineHealth, FaultInjector
 from radixray.engine.grammar.spec import no_structured_output
-from radixray.engine.inputs import Limits, build_requests
+from radixray.engine.inputs import Limits, attach_bootstrap, build_requests
 from radixray.engine.mem_cache.memory_saver import MemorySaver
-from radixray.engine.messages import MetaInfo, RequestUpdate
 from radixray.engine.request import Req
 from radixray.engine.sched.inbox import AbortCommand, CallInLoop
 from radixray.engine.sched.scheduler import Scheduler
 from radixray.engine.stop import StopChecker, eos_token_ids
+from radixray.engine.streams import (
+    StepChannel,
+    StreamChunks,
+    Subscriber,
+    Subscribers,
+    finished_result,
+)
 from radixray.engine.weights.loader import resolve_model
 from radixray.engine.weights.session import DEFAULT_GROUP, WeightUpdater
 
 logger = logging.getLogger(__name__)
-
-
-class StepChannel:
-    """Carries one list of updates per scheduler step to an asyncio queue in another thread.
-
-    Several requests share a channel (one per serving client), so a step with
-    many running requests costs one hand-off instead of one per request. A message
-    is a list of :class:`~radixray.engine.messages.RequestUpdate` (one step), or a
-    control message of the channel's owner.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
-        self.loop = loop
-        self.queue = queue
-
-    def push(self, updates: list[RequestUpdate] | object) -> bool:
-        """Hand one message (a step's updates, or a control dict) to the reader's loop;
-        False when that loop is closed."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, updates)
-            return True
-        except RuntimeError:
-            return False
-
-
-@dataclass
-class _Subscriber:
-    """Where one request's progress goes: an event (blocking call), an asyncio queue
-    (one stream) or a shared StepChannel (serving)."""
-
-    done: threading.Event = field(default_factory=threading.Event)
-    loop: asyncio.AbstractEventLoop | None = None
-    queue: asyncio.Queue | None = None
-    channel: StepChannel | None = None
-
-
-def take_update(req: Req, weight_version: int = 0) -> RequestUpdate:
-    """The output ``req`` produced since its last update (and its MetaInfo once finished;
-    ``weight_version``: the engine's current one)."""
-    update = RequestUpdate(req.rid, req.output_ids[req.emitted:])
-    if req.sampling.return_logprob:
-        update.logprobs = req.output_logprobs[req.emitted:]
-        if req.sampling.top_logprobs_num:
-            update.top_logprobs = req.output_top_logprobs[req.emitted:]
-    req.emitted = len(req.output_ids)
-    if req.finished:
-        update.meta = MetaInfo.of(req, weight_version)
-        if req.finish_reason.type == "error":
-            update.error, update.status = req.finish_reason.message, req.finish_reason.status
-    return update
 
 
 class Engine:
@@ -99,17 +61,20 @@ class Engine:
         """``worker_id`` names this engine to a disaggregated peer, ``kv_transport`` replaces
         its Mooncake transport (tests); ``ep_rank`` / ``ep_init_method``: its EP rendezvous."""
         self.config = EngineConfig.from_kwargs(model=model, **options)
+        self.worker_id = worker_id
         source = resolve_model(self.config.model)
         self.tokenizer = source.tokenizer
         self.hf_config = source.config
         self.runner = ModelRunner(self.config, source, ep_rank, ep_init_method)
         stop_checker = StopChecker(self.tokenizer, eos_token_ids(self.tokenizer, source.config))
-        self.scheduler = Scheduler(self.config, self.runner, stop_checker, self._on_output)
+        self._subs = Subscribers(self.config.stream_interval, lambda: self.weights.version,
+                                 self.abort)
+        self.scheduler = Scheduler(self.config, self.runner, stop_checker, self._subs.deliver)
         self.limits = Limits(self.runner.vocab_size, self.runner.context_len,
                              self.runner.max_total_tokens, moe=self.runner.routes_experts,
                              no_structured_output=no_structured_output(self.config))
-        self._subs: dict[str, _Subscriber] = {}
         self._lock = threading.Lock()
+        self._faults: FaultInjector | None = None  # tests only (attach_fault_injector)
         self._stopping = False
         self._failure_listeners: list = []
         self.scheduler.on_failed = self._on_failed
@@ -149,50 +114,6 @@ class Engine:
             except Exception:  # noqa: BLE001 - one listener must not silence the others
                 logger.exception("engine failure listener raised")
 
-    # ---- output path (scheduler thread) ----------------------------------------------
-    def _on_output(self, reqs: list[Req]) -> None:
-        """Hand each request's new output to its subscriber. With ``stream_interval`` N > 1 a
-        running request's tokens are held until N of them wait (the first token and the
-        finish always go at once), which cuts per-token work downstream by about N."""
-        batches: dict[int, tuple[StepChannel, list[dict], list[Req]]] = {}
-        interval = self.config.stream_interval
-        for req in reqs:
-            sub = self._subs.get(req.rid)
-            if sub is None:
-                continue
-            if interval > 1 and not req.finished and req.emitted \
-                    and len(req.output_ids) - req.emitted < interval:
-                continue
-            if sub.channel is not None:
-                entry = batches.setdefault(id(sub.channel), (sub.channel, [], []))
-                entry[1].append(take_update(req, self.weights.version))
-                entry[2].append(req)
-                if req.finished:
-                    with self._lock:
-                        self._subs.pop(req.rid, None)
-                continue
-            if sub.queue is not None:
-                chunk = take_update(req, self.weights.version)
-                try:
-                    sub.loop.call_soon_threadsafe(sub.queue.put_nowait, chunk)
-                except RuntimeError:  # the reader's event loop is closed: nobody reads on
-                    self._drop_readerless([req])
-                    continue
-            if req.finished:
-                sub.done.set()
-        for channel, updates, sent in batches.values():
-            if not channel.push(updates):
-                self._drop_readerless(sent)
-
-    def _drop_readerless(self, reqs: list[Req]) -> None:
-        """Nobody reads these requests' output any more: forget them and abort the unfinished."""
-        with self._lock:
-            for req in reqs:
-                self._subs.pop(req.rid, None)
-        for req in reqs:
-            if not req.finished:
-                self.scheduler.submit(AbortCommand(req.rid))
-
     # ---- public API ------------------------------------------------------------------
     def generate(self, prompt=None, sampling_params=None, input_ids=None, rid=None, priority=None,
                  bootstrap=None):
@@ -217,46 +138,33 @@ class Engine:
 
     async def generate_stream(self, prompt=None, sampling_params=None, input_ids=None, rid=None,
                               priority=None) -> AsyncIterator[dict]:
-        """Yield ``{"text": delta, "output_ids": new ids, "finished": bool, "meta_info"?}`` chunks.
-
-        Text is released incrementally: incomplete UTF-8 characters and text that
-        may still become a stop string are held back. Closing the generator early
-        aborts the request.
-        """
+        """Yield ``{"text": delta, "output_ids": new ids, "finished": bool, "meta_info"?}`` chunks
+        (see :class:`~radixray.engine.streams.StreamChunks`). Closing the generator early
+        aborts the request."""
         reqs, is_batch = build_requests(prompt, input_ids, sampling_params, self.tokenizer,
                                         self.limits, rid, priority)
         if is_batch:
             raise ValueError("generate_stream takes one prompt")
         req = reqs[0]
-        sub = _Subscriber(loop=asyncio.get_running_loop(), queue=asyncio.Queue())
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids,
-                                       skip_special_tokens=req.sampling.skip_special_tokens,
-                                       stop=req.sampling.stop)
+        sub = Subscriber(loop=asyncio.get_running_loop(), queue=asyncio.Queue())
+        chunks = StreamChunks(self.tokenizer, req)
         self._submit([req], [sub])
         finished = False
         try:
             while not finished:
                 update = await sub.queue.get()
                 finished = update.meta is not None
-                text = detok.add_tokens(update.ids)
-                if finished and not detok.stopped:
-                    text += detok.finish()
-                chunk = {"text": text, "output_ids": update.ids, "finished": finished}
-                if update.logprobs is not None:
-                    chunk["output_token_logprobs"] = update.logprobs
                 if finished:
                     _raise_if_engine_failed(req, self.scheduler)
-                    chunk["meta_info"] = update.meta.to_json()
-                yield chunk
+                yield chunks.of(update)
         finally:
-            with self._lock:
-                self._subs.pop(req.rid, None)
+            self._subs.discard(req.rid)
             if not finished:
-                self.scheduler.submit(AbortCommand(req.rid))
+                self.abort(req.rid)
 
     def submit_to_channel(self, reqs: list[Req], channel: StepChannel) -> None:
         """Schedule already-validated requests whose output goes to ``channel`` (serving path)."""
-        self._submit(reqs, [_Subscriber(channel=channel) for _ in reqs])
+        self._submit(reqs, [Subscriber(channel=channel) for _ in reqs])
 
     def warm_up(self, prompt: str) -> dict:
         """One greedy token of ``prompt`` run here, whatever this engine's role."""
@@ -289,82 +197,217 @@ class Engine:
         if failed is not None:
             callback(failed)
 
-    def inject_faults(self, count: int, message: str = "injected fault") -> None:
-        """Test hook: the next ``count`` forward passes raise (-1: every one; 0: stop)."""
-        self.scheduler.faults.inject(count, message)
+    def attach_fault_injector(self, injector: FaultInjector | None) -> None:
+        """Tests only: this engine's fault points (forward passes, the KV sender, the weight
+        update's prepare and commit) consult ``injector`` from now on; None detaches it."""
+        self._faults = self.scheduler.faults.injector = injector
+        if self.pd is not None:
+            self.pd.attach_fault_injector(injector)
 
-    def abort(self, rid: str) -> None:
-        """Abort a request by id; its KV returns to the pool or the cache."""
-        self.scheduler.submit(AbortCommand(rid))
+    def abort(self, rids: str | Sequence[str]) -> None:
+        """Abort requests by id (one or several; unknown ids are ignored); their KV returns to
+        the pool or the cache."""
+        for rid in [rids] if isinstance(rids, str) else rids:
+            self.scheduler.submit(AbortCommand(rid))
+
+    def num_queued(self) -> int:
+        """Requests waiting for admission (the queue and the inbox not yet drained); any
+        thread, an estimate while the scheduler runs."""
+        return self.scheduler.num_queued()
 
     def call_in_loop(self, fn, timeout: float = 60.0):
-        """Run ``fn(scheduler)`` on the scheduler thread between steps and return its result."""
+        """Run ``fn(scheduler)`` on the scheduler thread between steps and return its result.
+        For the engine's own parts and for tests: code outside the engine calls the typed
+        verbs instead (tests/cpu/test_layering.py checks)."""
+        return self._loop_future(lambda: fn(self.scheduler)).result(timeout)
+
+    def _loop_future(self, fn: Callable[[], object]) -> Future:
+        """Run ``fn()`` on the scheduler thread between steps; its result (or exception)
+        goes to the returned Future."""
         future: Future = Future()
-        self.scheduler.submit(CallInLoop(fn, future))
-        return future.result(timeout)
+        self.scheduler.submit(CallInLoop(lambda _: fn(), future))
+        return future
 
+    def submit_verb(self, verb: Callable, *args, **kwargs) -> Future:
+        """Start ``verb`` (a :func:`~radixray.engine.control.scheduler_verb` of this engine,
+        e.g. ``engine.flush_cache``) without waiting: its result as a Future, for async
+        callers that must not hold a thread while the scheduler finishes a step."""
+        body = getattr(verb, "loop_body", None)
+        if body is None or getattr(verb, "__self__", None) is not self:
+            raise TypeError(f"{verb!r} is not a scheduler-thread verb of this engine")
+        return self._loop_future(lambda: body(self, *args, **kwargs))
+
+    # ---- control verbs (engine/control.py declares them) ------------------------------
+    @scheduler_verb()
     def pause_generation(self, mode: str = "abort") -> int:
-        """Stop scheduling: ``abort`` ends every request, ``retract`` sends running ones back
-        to the queue (KV freed), ``in_place`` holds them with their KV (see engine/sched/pause.py).
-        New requests wait until :meth:`continue_generation`. Returns how many requests the
-        mode touched; ValueError names a bad mode."""
-        return self.call_in_loop(lambda s: s.pause(mode))
+        """The modes: engine/sched/pause.py."""
+        return self.scheduler.pause(mode)
 
+    @scheduler_verb()
     def continue_generation(self) -> bool:
-        """Schedule again after :meth:`pause_generation`; False if it was not paused."""
-        return self.call_in_loop(lambda s: s.resume())
+        return self.scheduler.resume()
 
+    @scheduler_verb(LONG_LOOP_TIMEOUT_S)
     def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
         """Give back the memory of ``tags`` (``kv_cache``, ``weights``; None: both) while
-        generation is paused (see engine/mem_cache/memory_saver.py); returns what was freed."""
-        self.check_memory_release(tags)
-        return self.call_in_loop(lambda s: self.memory.release(tags), timeout=600)
-
-    def check_memory_release(self, tags: list[str] | None) -> None:
-        """ValueError when ``tags`` cannot be released here: a prefill or decode engine's KV
-        pool is registered with its transfer engine, and peers write into it by address."""
+        generation is paused (see engine/mem_cache/memory_saver.py); returns what was freed.
+        A prefill or decode engine's KV pool is registered with its transfer engine and peers
+        write into it by address: releasing it there is a ValueError."""
         if self.pd is not None and (tags is None or "kv_cache" in tags):
             raise ValueError(f"release_memory_occupation: the KV pool of a "
                              f"{self.pd.mode} worker is registered for KV transfer and cannot "
                              f"be released; release tags=['weights'] only")
+        return self.memory.release(tags)
 
+    @scheduler_verb(LONG_LOOP_TIMEOUT_S)
     def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
         """Take back the memory of released ``tags`` (None: every released tag)."""
-        return self.call_in_loop(lambda s: self.memory.resume(tags), timeout=600)
+        return self.memory.resume(tags)
 
-    # ---- weight updates (engine/weights/session.py) ------------------------------------
+    @scheduler_verb()
+    def flush_cache(self) -> bool:
+        """Drop all cached prefixes. False while requests are running (nothing changes then)."""
+        return self.scheduler.kv.flush_cache()
+
+    @scheduler_verb()
+    def check_kv_conservation(self) -> dict:
+        """Assert free + request-held + cache-held == pool size now; return the four numbers
+        and the running and waiting requests."""
+        s = self.scheduler
+        s.check_kv_conservation()
+        return {"free": s.kv.allocator.available_size(), "cached": s.kv.cache.total_size(),
+                "pool": s.kv.pool_size, "running": s.num_running, "waiting": s.num_waiting}
+
+    @scheduler_verb()
+    def snapshot(self) -> EngineSnapshot:
+        """Counters and gauges now, read in one go between steps (see :class:`EngineSnapshot`;
+        a disaggregated engine's finished transfers are reported once)."""
+        return EngineSnapshot.of(self)
+
+    def rebalance_experts(self, timeout: float = 600.0) -> dict:
+        """Rebalance the MoE model's expert copies for the last ``eplb_window_size`` forward
+        passes' load (with every rank of an EP group); the ``RebalanceReport`` as a dict.
+        Waits while a weight-update session is open (at most ``timeout`` s: TimeoutError);
+        ValueError without ``enable_eplb`` or while the weights are released."""
+        return request_rebalance(self.runner.eplb, self.call_in_loop, self.weights, timeout)
+
+    # ---- prefill-decode pairs (engine/disaggregation/) ---------------------------------
+    def pd_endpoint(self) -> tuple:
+        """(transfer session, KV layout) a peer writes into; (None, None) when unified."""
+        return (self.pd.session, self.pd.layout) if self.pd is not None else (None, None)
+
+    def connect_pd_outbox(self, outbox: Callable[[str, object], None]) -> None:
+        """``outbox(worker_id, message)`` delivers room messages to the other worker of a pair
+        (called from the scheduler and sender threads; it must not block)."""
+        self._pd_link().set_outbox(outbox)
+
+    def pd_deliver(self, message) -> None:
+        """A room message from the other worker of the pair (any thread)."""
+        self._pd_link().deliver(message)
+
+    def pd_undeliverable(self, message, error: str) -> None:
+        """``message`` never reached its worker: a room waiting on the answer fails now."""
+        self._pd_link().undeliverable(message, error)
+
+    @scheduler_verb()
+    def pd_status(self) -> dict:
+        """Rooms of this side by state and in all, and whether a test stall holds the KV
+        sender; {} when unified."""
+        return self.pd.status() if self.pd is not None else {}
+
+    def pd_probe(self, session: str, layout) -> float:
+        """Handshake (prefill engine): write this pool's padding slot into the peer's
+        ``session`` over the transport, every layer; returns the seconds it took."""
+        if self.pd is None or self.pd.mode != "prefill":
+            raise ValueError(f"worker {self.worker_id} is "
+                             f"{self.config.disaggregation_mode or 'unified'}, not prefill")
+        return self.pd.probe(session, layout)
+
+    def _pd_link(self):
+        if self.pd is None:
+            raise ValueError(f"worker {self.worker_id} is unified: it takes no room messages")
+        return self.pd
+
+    # ---- measurement (benchmarks) ------------------------------------------------------
+    def model_facts(self) -> ModelFacts:
+        return ModelFacts(self.runner.model, self.runner.dtype, self.runner.bytes_per_token,
+                          self.runner.vocab_size)
+
+    @contextlib.contextmanager
+    def profiling(self, profiler) -> Iterator:
+        """Run ``profiler`` (torch.profiler) on the scheduler thread, where the steps run,
+        for the ``with`` block."""
+        self._loop_future(profiler.start).result(LONG_LOOP_TIMEOUT_S)
+        try:
+            yield profiler
+        finally:
+            self._loop_future(profiler.stop).result(LONG_LOOP_TIMEOUT_S)
+
+    def time_forwards(self) -> ForwardTimer:
+        """Sum the wall time of every forward pass from now on into the returned timer."""
+        return ForwardTimer.around(self.runner)
+
+    @scheduler_verb()
+    def evict_cache(self, host_tier: bool = False) -> None:
+        """Evict every cached prefix from the KV pool (a hierarchical cache's host tier keeps
+        its copies unless ``host_tier``)."""
+        kv = self.scheduler.kv
+        kv.cache.evict(kv.cache.total_size())
+        if host_tier:
+            kv.host_cache.reset()
+
+    @scheduler_verb()
+    def retune_prefill(self, chunked_prefill_size: int, enable_mixed_chunk: bool) -> None:
+        """Between benchmark runs: prefill in chunks of this size, mixing or not, from the
+        next step on, with the scheduler's counters and new-token ratio started over."""
+        self.scheduler.reconfigure(chunked_prefill_size=chunked_prefill_size,
+                                   enable_mixed_chunk=enable_mixed_chunk)
+        self.scheduler.reset_stats()
+
+    # ---- weight updates (engine/weights/session.py; contracts: control.EngineControl) ----
     def begin_weight_update(self) -> None:
-        """Open a weight-update session (ValueError if one is open)."""
         self.weights.begin()
 
     def update_weights_from_tensor(self, named_tensors) -> dict:
-        """Stage Hugging Face-named tensors (pairs or a dict) in the open session."""
         return self.weights.update_from_tensor(named_tensors)
 
     def update_weights_from_disk(self, model_path: str) -> dict:
-        """Stage every tensor of a Hugging Face folder's (or one file's) safetensors."""
         return self.weights.update_from_disk(model_path)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = DEFAULT_GROUP,
                                   backend: str = "gloo", timeout_s: float = 600.0) -> dict:
-        """Join the trainer's torch.distributed group as rank ``rank_offset`` (blocks until all
-        ranks joined, at most ``timeout_s``; the same timeout bounds each broadcast)."""
+        """Blocks until every rank joined (at most ``timeout_s``, which also bounds each
+        broadcast)."""
         return self.weights.init_group(master_address, master_port, rank_offset, world_size,
                                        group_name, backend, timeout_s)
 
     def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> bool:
-        """Leave the trainer's group (False if not in it); a new group may be joined after."""
         return self.weights.destroy_group(group_name)
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
                                         group_name: str = DEFAULT_GROUP) -> dict:
-        """Receive the trainer's broadcast of ``names`` (in order) into the open session."""
         return self.weights.update_from_distributed(names, dtypes, shapes, group_name)
 
+    def prepare_weight_update(self, weight_version: int) -> dict:
+        self._weight_fault_point("prepare")
+        return self.weights.prepare(weight_version)
+
+    @scheduler_verb(LONG_LOOP_TIMEOUT_S)
+    def commit_weight_update(self) -> int:
+        self._weight_fault_point("commit")
+        return self.weights.commit(self.scheduler)
+
+    @scheduler_verb(LONG_LOOP_TIMEOUT_S)
+    def rollback_weight_update(self) -> bool:
+        return self.weights.rollback(self.scheduler)
+
+    def finish_weight_update(self) -> dict:
+        return self.weights.finish()
+
     def end_weight_update(self, weight_version: int) -> dict:
-        """Make the session's weights serve from the next step on, as ``weight_version``
-        (greater than the current one). Returns the version and the time of each phase."""
+        """Serve the session's weights from the next step on as ``weight_version`` (greater
+        than the current one); the version and the time of each phase."""
         self.weights.prepare(weight_version)
         try:
             self.call_in_loop(self.weights.commit)
@@ -374,31 +417,14 @@ class Engine:
         return self.weights.finish()
 
     def abort_weight_update(self) -> bool:
-        """Drop the open session; the current weights go on serving."""
         return self.weights.abort()
 
     def get_weight_version(self) -> int:
         return self.weights.version
 
-    # ---- expert placement (engine/ep/eplb.py) ---------------------------------------------
-    def rebalance_experts(self, timeout: float = 600.0) -> dict:
-        """Rebalance the MoE model's expert copies for the last ``eplb_window_size`` forward
-        passes' load (with every rank of an EP group); the ``RebalanceReport`` as a dict.
-        Waits while a weight-update session is open (at most ``timeout`` s: TimeoutError);
-        ValueError without ``enable_eplb`` or while the weights are released."""
-        return request_rebalance(self.runner.eplb, self.call_in_loop, self.weights, timeout)
-
-    def flush_cache(self) -> bool:
-        """Drop all cached prefixes. False while requests are running (nothing changes then)."""
-        return self.call_in_loop(lambda s: s.kv.flush_cache())
-
-    def check_kv_conservation(self) -> dict:
-        """Assert free + request-held + cache-held == pool size now; return the four numbers."""
-        def check(s: Scheduler) -> dict:
-            s.check_kv_conservation()
-            return {"free": s.kv.allocator.available_size(), "cached": s.kv.cache.total_size(),
-                    "pool": s.kv.pool_size, "running": s.num_running, "waiting": s.num_waiting}
-        return self.call_in_loop(check)
+    def _weight_fault_point(self, phase: str) -> None:
+        if self._faults is not None:
+            self._faults.before_weight_update(phase, self.worker_id)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a chat, formatted with the model's chat template."""
@@ -428,15 +454,15 @@ class Engine:
         self.shutdown()
 
     # ---- helpers ---------------------------------------------------------------------
-    def _submit(self, reqs: list[Req], subs: list[_Subscriber] | None = None,
-                local: bool = False) -> list[_Subscriber]:
+    def _submit(self, reqs: list[Req], subs: list[Subscriber] | None = None,
+                local: bool = False) -> list[Subscriber]:
         """Subscribe to each request's output and schedule it.
 
         A rid still in use, a shut-down engine, or (on a prefill or decode engine) a request
         without a bootstrap room is an error, and nothing changes then. ``local``: run here
         whatever the role (warm-up).
         """
-        subs = subs or [_Subscriber() for _ in reqs]
+        subs = subs or [Subscriber() for _ in reqs]
         self._raise_if_dead()
         if self.pd is not None and not local:
             for req in reqs:
@@ -444,11 +470,7 @@ class Engine:
         with self._lock:
             if self._stopping:
                 raise RuntimeError("the engine is shut down")
-            busy = [r.rid for r in reqs if r.rid in self._subs]
-            if busy:
-                raise ValueError(f"rid {busy[0]!r} is already in use by an unfinished request")
-            for req, sub in zip(reqs, subs):
-                self._subs[req.rid] = sub
+            self._subs.add(reqs, subs)
             self.scheduler.submit(reqs)
         return subs
 
@@ -459,34 +481,8 @@ class Engine:
             raise EngineFailed(f"the engine cannot serve: {health.reason}")
 
     def _result(self, req: Req) -> dict:
-        with self._lock:
-            self._subs.pop(req.rid, None)
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids,
-                                       skip_special_tokens=req.sampling.skip_special_tokens,
-                                       stop=req.sampling.stop)
-        text = detok.add_tokens(req.output_ids)
-        if not detok.stopped:
-            text += detok.finish()
-        out = {"text": text, "output_ids": list(req.output_ids),
-               "meta_info": MetaInfo.of(req, self.weights.version).to_json()}
-        if req.sampling.return_logprob:
-            out["output_token_logprobs"] = list(req.output_logprobs)
-            if req.sampling.top_logprobs_num:
-                out["output_top_logprobs"] = list(req.output_top_logprobs)
-        return out
-
-
-def attach_bootstrap(reqs: list[Req], bootstrap) -> None:
-    """Give each request its PDBootstrap (one for all, or a list with one per request)."""
-    if bootstrap is None:
-        return
-    items = bootstrap if isinstance(bootstrap, list) else [bootstrap] * len(reqs)
-    if len(items) != len(reqs):
-        raise ValueError(f"bootstrap: {len(items)} given for {len(reqs)} prompts")
-    if len({b.room for b in items}) != len(items):
-        raise ValueError("bootstrap: every prompt needs its own bootstrap room")
-    for req, b in zip(reqs, items):
-        req.pd = b
+        self._subs.discard(req.rid)
+        return finished_result(req, self.tokenizer, self.weights.version)
 
 
 def _raise_if_engine_failed(req: Req, scheduler: Scheduler) -> None:

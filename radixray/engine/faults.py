@@ -7,12 +7,18 @@ the engine is *failed*: every request it holds and every new one ends at once
 with status 503, so callers retry elsewhere instead of waiting on an engine that
 cannot serve. Only a new engine (a restarted worker) leaves that state.
 
-:meth:`StepFaults.inject` is the test hook: the next ``count`` forward passes
-raise :class:`InjectedFault`.
+Tests make things fail through one object, :class:`FaultInjector`, armed with typed fault
+specs (:class:`FailForwards`, :class:`StallKVSend`, :class:`FailWeightUpdate`,
+:class:`FailTrainerSend`) and attached by test code only
+(``Engine.attach_fault_injector``, the same method on the worker and trainer actors).
+Production code asks it at its fault points; with none attached that costs one ``None``
+check.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 BATCH_FAULT_STATUS = 500  # the request's batch failed; it may be the cause, so not retried
@@ -24,7 +30,7 @@ class EngineFailed(RuntimeError):
 
 
 class InjectedFault(RuntimeError):
-    """Raised by a forward pass that a test asked to fail (see :meth:`StepFaults.inject`)."""
+    """Raised by a forward pass that a test asked to fail (see :class:`FailForwards`)."""
 
 
 @dataclass(frozen=True)
@@ -49,15 +55,14 @@ class EngineHealth:
 
 @dataclass
 class StepFaults:
-    """Failed-step accounting of one scheduler (scheduler thread only, except ``inject``)."""
+    """Failed-step accounting of one scheduler (scheduler thread only)."""
 
     max_consecutive: int
     consecutive: int = 0
     total: int = 0
     failed: str | None = None
     last_message: str | None = None
-    _inject_left: int = 0  # forward passes left to fail; -1: every one
-    _inject_message: str = "injected fault"
+    injector: FaultInjector | None = None  # tests only (Engine.attach_fault_injector)
 
     def note_success(self) -> None:
         self.consecutive = 0
@@ -71,18 +76,131 @@ class StepFaults:
             return f"{self.consecutive} scheduler steps failed in a row; the last: {message}"
         return None
 
-    def inject(self, count: int, message: str = "injected fault") -> None:
-        """Make the next ``count`` forward passes raise (-1: all of them; 0: stop)."""
-        if count < -1:
-            raise ValueError(f"count must be >= -1, got {count}")
-        self._inject_left, self._inject_message = count, message
-
     def before_forward(self) -> None:
         """Raise :class:`InjectedFault` if a test asked this forward pass to fail."""
-        if self._inject_left:
-            if self._inject_left > 0:
-                self._inject_left -= 1
-            raise InjectedFault(self._inject_message)
+        if self.injector is not None:
+            self.injector.before_forward()
+
+
+# ---- fault specs (what a test asks for) --------------------------------------------------
+@dataclass(frozen=True)
+class FailForwards:
+    """The next ``count`` forward passes raise :class:`InjectedFault` (-1: every one; 0: none)."""
+
+    count: int
+    message: str = "injected fault"
+
+    def __post_init__(self):
+        if self.count < -1:
+            raise ValueError(f"count must be >= -1, got {self.count}")
+
+
+@dataclass(frozen=True)
+class StallKVSend:
+    """A prefill engine's KV sender sleeps ``seconds`` before the next room's last write (its
+    first chunks are written), as a transfer cut mid-way."""
+
+    seconds: float
+
+
+WEIGHT_UPDATE_PHASES = ("prepare", "commit")
+TRAINER_SEND_PHASES = ("write_shared", "broadcast")
+
+
+@dataclass(frozen=True)
+class FailWeightUpdate:
+    """The engine's next ``prepare`` or ``commit`` of a weight update raises (None: off)."""
+
+    phase: str | None
+
+    def __post_init__(self):
+        if self.phase not in (None, *WEIGHT_UPDATE_PHASES):
+            raise ValueError(f"phase must be one of {WEIGHT_UPDATE_PHASES} or None, "
+                             f"got {self.phase!r}")
+
+
+@dataclass(frozen=True)
+class FailTrainerSend:
+    """The trainer's next ``write_shared`` or ``broadcast`` fails after sending half the
+    tensors, as a trainer dying mid-update would (None: off)."""
+
+    phase: str | None
+
+    def __post_init__(self):
+        if self.phase not in (None, *TRAINER_SEND_PHASES):
+            raise ValueError(f"phase must be 'write_shared', 'broadcast' or None, "
+                             f"got {self.phase!r}")
+
+
+Fault = FailForwards | StallKVSend | FailWeightUpdate | FailTrainerSend
+
+
+class FaultInjector:
+    """The faults a test asked for, consulted by production code at its fault points.
+
+    Build it with the specs (``FaultInjector(FailForwards(1))``) or :meth:`arm` it later;
+    arming a kind again replaces that kind's spec. Each fault point reads and clears its own
+    fields only, so the scheduler, the KV sender and a caller's thread may consult it at
+    once while a test arms it. It holds plain data: it crosses to an actor by value.
+    """
+
+    def __init__(self, *faults: Fault):
+        self._forwards_left = 0  # forward passes left to fail; -1: every one
+        self._forward_message = "injected fault"
+        self._kv_stall_s: float | None = None
+        self.kv_stalled = False  # True while a stall holds the KV sender
+        self._weight_phase: str | None = None
+        self._trainer_phase: str | None = None
+        for fault in faults:
+            self.arm(fault)
+
+    def arm(self, fault: Fault) -> None:
+        if isinstance(fault, FailForwards):
+            self._forwards_left, self._forward_message = fault.count, fault.message
+        elif isinstance(fault, StallKVSend):
+            self._kv_stall_s = fault.seconds
+        elif isinstance(fault, FailWeightUpdate):
+            self._weight_phase = fault.phase
+        elif isinstance(fault, FailTrainerSend):
+            self._trainer_phase = fault.phase
+        else:
+            raise TypeError(f"not a fault spec: {fault!r}")
+
+    # ---- fault points ------------------------------------------------------------------
+    def before_forward(self) -> None:
+        """Scheduler thread, before a forward pass: raise :class:`InjectedFault` if armed."""
+        if self._forwards_left:
+            if self._forwards_left > 0:
+                self._forwards_left -= 1
+            raise InjectedFault(self._forward_message)
+
+    def before_kv_write(self, final: bool) -> None:
+        """KV sender thread, before a write (``final``: a room's last): sleep if a stall is
+        armed for this write."""
+        seconds = self._kv_stall_s
+        if final and seconds is not None:
+            self._kv_stall_s = None
+            self.kv_stalled = True
+            time.sleep(seconds)
+            self.kv_stalled = False
+
+    def before_weight_update(self, phase: str, where: str) -> None:
+        """Before ``phase`` (prepare | commit) of a weight update on ``where``: raise if armed."""
+        if self._weight_phase == phase:
+            self._weight_phase = None
+            raise RuntimeError(f"injected weight update fault at {phase} on {where}")
+
+    def trainer_items(self, phase: str, items: list) -> Iterable:
+        """What the trainer sends in ``phase``: ``items``, or (armed) their first half and
+        then a RuntimeError."""
+        if self._trainer_phase != phase:
+            return items
+        self._trainer_phase = None
+
+        def failing() -> Iterator:
+            yield from items[:len(items) // 2]
+            raise RuntimeError(f"injected trainer fault during {phase}")
+        return failing()
 
 
 def describe(exc: BaseException) -> str:

@@ -112,3 +112,16 @@ def build_requests(prompt, input_ids, sampling_params, tokenizer, limits: Limits
         reqs.append(Req(rid=rids[i] or uuid.uuid4().hex, prompt_ids=list(ids), sampling=sp,
                         priority=prio))
     return reqs, is_batch
+
+
+def attach_bootstrap(reqs: list[Req], bootstrap) -> None:
+    """Give each request its PDBootstrap (one for all, or a list with one per request)."""
+    if bootstrap is None:
+        return
+    items = bootstrap if isinstance(bootstrap, list) else [bootstrap] * len(reqs)
+    if len(items) != len(reqs):
+        raise ValueError(f"bootstrap: {len(items)} given for {len(reqs)} prompts")
+    if len({b.room for b in items}) != len(items):
+        raise ValueError("bootstrap: every prompt needs its own bootstrap room")
+    for req, b in zip(reqs, items):
+        req.pd = b

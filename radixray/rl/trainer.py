@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from radixray.engine.faults import FaultInjector
 from radixray.rl.grpo_loss import grpo_loss, merge_stats, sequence_logprobs
 
 logger = logging.getLogger("radixray.rl")
@@ -99,7 +100,7 @@ class PolicyTrainer:
                                            weight_decay=options.get("weight_decay", 0.0))
         self._shared = None
         self._broadcaster = None
-        self._fault: str | None = None  # inject_fault
+        self._faults: FaultInjector | None = None  # tests only (attach_fault_injector)
         self.scorer = None
         self._scorer_current = False  # the scorer holds the model's present weights
         if deterministic:
@@ -173,24 +174,15 @@ class PolicyTrainer:
                 "logprob_abs_diff_mean": float(diff.mean()) if diff.numel() else 0.0,
                 "train_s": time.perf_counter() - t0}
 
-    def inject_fault(self, phase: str | None) -> None:
-        """Tests: the next :meth:`write_shared` or :meth:`broadcast` (``phase``) fails after
-        sending half the tensors, as a trainer dying mid-update would; None clears it."""
-        if phase not in (None, "write_shared", "broadcast"):
-            raise ValueError(f"phase must be 'write_shared', 'broadcast' or None, got {phase!r}")
-        self._fault = phase
+    def attach_fault_injector(self, injector: FaultInjector | None) -> None:
+        """Tests only: :meth:`write_shared` and :meth:`broadcast` consult ``injector``
+        (:class:`~radixray.engine.faults.FailTrainerSend`); None detaches it."""
+        self._faults = injector
 
     def _items(self, phase: str):
-        """The named weights in order, failing half way when ``phase`` has a fault injected."""
+        """The named weights in order (cut short when a test armed a fault for ``phase``)."""
         items = list(self.named_weights().items())
-        if self._fault != phase:
-            return items
-        self._fault = None
-
-        def failing():
-            yield from items[:len(items) // 2]
-            raise RuntimeError(f"injected trainer fault during {phase}")
-        return failing()
+        return items if self._faults is None else self._faults.trainer_items(phase, items)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The parameters under their Hugging Face names (tied ones once)."""

@@ -76,7 +76,7 @@ def _assert_every_slot_holds_its_expert(eng: Engine, hf, label: str) -> None:
 def test_redundant_copies_match_hf_and_a_rebalance_evens_skewed_load(tiny_qwen3_moe_dir):
     hf = _hf(tiny_qwen3_moe_dir)
     fixed = [random_prompts(hf.config.vocab_size)[i] for i in (0, 3, 6)]
-    from radixray.cluster.metrics import WorkerMetrics, scheduler_snapshot
+    from radixray.cluster.metrics import WorkerMetrics, worker_load
     with _engine(tiny_qwen3_moe_dir) as eng:
         start = _in_loop(eng, lambda m: m.expert_map.placement)
         assert start.num_physical == 8 + REDUNDANT and int(start.logical_count.max()) == 2
@@ -105,7 +105,7 @@ def test_redundant_copies_match_hf_and_a_rebalance_evens_skewed_load(tiny_qwen3_
         eng.flush_cache()  # recompute every prompt under the new placement
         again = eng.generate(input_ids=fixed, sampling_params={**GREEDY, "max_new_tokens": 12})
         assert [o["output_ids"] for o in again] == [o["output_ids"] for o in before]
-        families = {f.name: f for f in WorkerMetrics("w").families(eng.call_in_loop(scheduler_snapshot))}
+        families = {f.name: f for f in WorkerMetrics("w").families(worker_load(eng.snapshot()))}
         assert families["radixray:eplb_rebalances"].samples[0].value == 1
         assert 0 < families["radixray:eplb_balancedness"].samples[0].value <= 1
 

@@ -5,6 +5,7 @@ import pytest
 from engine_helpers import GREEDY, call_with_timeout, in_thread, wait_until
 
 from radixray import Engine, EngineFailed
+from radixray.engine.faults import FailForwards, FaultInjector
 
 OPTS = dict(dtype="float32", max_total_tokens=4096, check_kv_conservation=True)
 
@@ -70,7 +71,7 @@ def test_values_no_float_can_hold_are_rejected_naming_the_field(eng, params, nee
 
 def test_one_faulty_forward_fails_only_its_batch(fresh):
     """A prefill batch of two fails; the requests after it are served; no KV slot is lost."""
-    fresh.inject_faults(1, "boom in one forward")
+    fresh.attach_fault_injector(FaultInjector(FailForwards(1, "boom in one forward")))
     outs = fresh.generate(["first prompt", "second one"], {"max_new_tokens": 3, **GREEDY})
     for out in outs:
         reason = _reason(out)
@@ -87,7 +88,7 @@ def test_a_decode_fault_fails_the_running_batch_and_returns_its_kv(fresh):
     t, box = in_thread(fresh.generate, prompt="a long one", sampling_params={
         "max_new_tokens": 500, **GREEDY})
     wait_until(fresh, decoding)
-    fresh.inject_faults(1)
+    fresh.attach_fault_injector(FaultInjector(FailForwards(1)))
     t.join(60)
     assert _reason(box["out"])["type"] == "error"
     assert 0 < len(box["out"]["output_ids"]) < 500  # the tokens before the fault are kept
@@ -98,7 +99,8 @@ def test_a_decode_fault_fails_the_running_batch_and_returns_its_kv(fresh):
 def test_a_fault_in_a_chunked_prefill_returns_its_reserved_slots(tiny_llama_dir):
     with Engine(model=tiny_llama_dir, chunked_prefill_size=16, **OPTS) as engine:
         free_before = _conserved(engine)["free"]
-        engine.inject_faults(2)  # the first chunk's pass, then the second's
+        # the first chunk's pass, then the second's
+        engine.attach_fault_injector(FaultInjector(FailForwards(2)))
         out = engine.generate(input_ids=list(range(1, 60)), sampling_params={"max_new_tokens": 2})
         assert _reason(out)["type"] == "error"
         kv = _conserved(engine)
@@ -126,7 +128,7 @@ def test_nan_logits_fail_only_that_request(fresh):
 def test_faults_on_every_step_fail_the_engine_and_callers_get_an_error(fresh):
     heard = []
     fresh.on_failure(heard.append)
-    fresh.inject_faults(-1)
+    fresh.attach_fault_injector(FaultInjector(FailForwards(-1)))
     for step in range(3):  # each request gets its own batch's error; the third is fatal
         assert fresh.health().ok, step
         assert _reason(fresh.generate("x", {"max_new_tokens": 2}))["status"] == 500
@@ -149,7 +151,7 @@ def test_requests_waiting_when_the_engine_fails_end_with_an_error(fresh):
         "max_new_tokens": 2000, **GREEDY})
     wait_until(fresh, decoding)
     fresh.scheduler.faults.max_consecutive = 1
-    fresh.inject_faults(-1)
+    fresh.attach_fault_injector(FaultInjector(FailForwards(-1)))
     t.join(60)
     assert _reason(box["out"])["status"] == 500
     with pytest.raises(EngineFailed):
@@ -176,7 +178,7 @@ def test_decode_fault_cleans_every_slot_of_a_big_batch(fresh):
     t, box = in_thread(fresh.generate, prompt=prompts, sampling_params={
         "max_new_tokens": 300, **GREEDY})
     wait_until(fresh, lambda s: len(s.queues.running) == 8 and all(r.output_ids for r in s.queues.running))
-    fresh.inject_faults(1)
+    fresh.attach_fault_injector(FaultInjector(FailForwards(1)))
     t.join(60)
     assert {_reason(o)["type"] for o in box["out"]} == {"error"}
     kv = _conserved(fresh)

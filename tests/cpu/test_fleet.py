@@ -13,6 +13,8 @@ import httpx
 import pytest
 from serving_helpers import free_port, metric, served, tiny_config
 
+from radixray.engine.faults import FailWeightUpdate, FaultInjector
+
 USERS, TURNS = 8, 4
 RESTART_DEADLINE_S = 30.0
 OWNER_TIMEOUT_S = 25.0  # longer than Serve takes to replace a dead replica (~10-15 s)
@@ -247,7 +249,8 @@ def test_fleet_wide_weight_updates_are_all_or_none(fleet, tiny_llama_dir, tmp_pa
     perturb(hf, seed=22)
     hf.save_pretrained(tmp_path / "v2", safe_serialization=True)
     worker1 = ray.get(controller.worker.remote("worker-1")).handle
-    ray.get(worker1.inject_weight_update_fault.remote("commit"))
+    ray.get(worker1.attach_fault_injector.remote(
+        FaultInjector(FailWeightUpdate("commit"))))
     r = httpx.post(f"{fleet}/update_weights_from_disk", json={"model_path": str(tmp_path / "v2")},
                    timeout=120)
     assert r.status_code == 400 and "worker-1" in r.json()["error"]["message"], r.text

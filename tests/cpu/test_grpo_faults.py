@@ -18,6 +18,7 @@ import pytest
 import ray
 from serving_helpers import free_port, serve_app, start_local_ray, tiny_config
 
+from radixray.engine.faults import FailTrainerSend, FaultInjector
 from radixray.rl.config import GRPOConfig
 
 
@@ -113,7 +114,8 @@ def test_a_trainer_failing_mid_update_leaves_the_old_version_serving(fleet_confi
             groups = job.rollout(get_task("char_frequency").problems(2, seed=1), 4, seed=1)
             samples, _ = score(groups, job.task, True)
             job.train(samples)
-            ray.get(job.trainer.inject_fault.remote(phase))
+            ray.get(job.trainer.attach_fault_injector.remote(
+                FaultInjector(FailTrainerSend(phase))))
             with pytest.raises(Exception, match=f"injected trainer fault during {phase}"):
                 job.sync()
             assert _versions(job) == before, placement

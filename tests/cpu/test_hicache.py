@@ -12,7 +12,7 @@ import torch
 from model_fixtures import assert_greedy_equal, hf_greedy
 
 from radixray import Engine
-from radixray.cluster.metrics import hicache_families, scheduler_snapshot
+from radixray.cluster.metrics import hicache_families, worker_load
 
 PROMPT_LEN = 200
 NEW = 8
@@ -47,7 +47,7 @@ def _evict_with_other_traffic(eng, prompts) -> None:
 
 
 def _effective(eng) -> dict[str, float]:
-    snap = eng.call_in_loop(scheduler_snapshot)
+    snap = worker_load(eng.snapshot())
     fams = hicache_families(["w"], snap)
     return {s.labels["mode"]: s.value for s in fams[0].samples}
 

@@ -2,11 +2,12 @@
 
 Every ``import`` in a module counts, the lazy ones inside functions too, so a layer
 cannot reach upwards by deferring the import. The kernels take tensors only, and the
-engine runs without Ray.
+engine runs without Ray. Outside the engine, an engine is reached through its facade.
 """
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -225,3 +226,89 @@ def test_structure_doc_lists_every_module():
         if inner not in documented.get(folder, set()):
             missing.append(str(rel))
     assert not missing, "modules without a line in docs/structure.md:\n" + "\n".join(missing)
+
+
+# ---- the engine is reached through its facade ------------------------------------------
+ENGINE_PARTS = {"scheduler", "runner", "weights", "memory", "pd"}
+ENGINE_NAME = re.compile(r"^(eng|engine|engines|.*_engine)$")
+LOOP_CALLS = {"call_in_loop", "CallInLoop"}
+
+
+def _engine_names(tree: ast.AST) -> set[str]:
+    """Names a module binds to an ``Engine(...)``: ``x = Engine(...)``, ``with Engine(...) as
+    x``, and ``{...: Engine(...) for ...}`` (then ``x[...]`` is an engine)."""
+    def builds_engine(node) -> bool:
+        if isinstance(node, ast.DictComp):
+            node = node.value
+        return isinstance(node, ast.Call) and (
+            isinstance(node.func, ast.Name) and node.func.id == "Engine"
+            or isinstance(node.func, ast.Attribute) and node.func.attr == "Engine")
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and builds_engine(node.value):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+            names |= {t.attr for t in node.targets if isinstance(t, ast.Attribute)}
+        elif isinstance(node, ast.withitem) and builds_engine(node.context_expr) \
+                and isinstance(node.optional_vars, ast.Name):
+            names.add(node.optional_vars.id)
+    return names
+
+
+def _is_engine(node: ast.AST, bound: set[str]) -> bool:
+    """Whether an expression is (by its name, or how the module built it) an Engine."""
+    if isinstance(node, ast.Name):
+        return bool(ENGINE_NAME.match(node.id)) or node.id in bound
+    if isinstance(node, ast.Attribute):  # self.engine, worker.engine
+        return bool(ENGINE_NAME.match(node.attr)) or node.attr in bound
+    if isinstance(node, ast.Subscript):  # engines["on"]
+        return _is_engine(node.value, bound)
+    if isinstance(node, ast.Call):  # Engine(...).runner
+        return node.func.id == "Engine" if isinstance(node.func, ast.Name) else False
+    return False
+
+
+def _reach_ins(source: str, filename: str = "<source>") -> list[str]:
+    """Where ``source`` touches an engine's parts or runs code on its scheduler thread."""
+    tree = ast.parse(source, filename)
+    bound = _engine_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ENGINE_PARTS \
+                and _is_engine(node.value, bound):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Attribute) and node.attr in LOOP_CALLS \
+                or isinstance(node, ast.Name) and node.id in LOOP_CALLS:
+            found.append(f"line {node.lineno}: {ast.unparse(node)} (a typed verb instead)")
+        elif isinstance(node, ast.ImportFrom) and any(a.name in LOOP_CALLS for a in node.names):
+            found.append(f"line {node.lineno}: imports {node.module} (a typed verb instead)")
+    return found
+
+
+OUTSIDE_ENGINE = [(n, p) for n, p in MODULES if _layer(n) != "engine"]
+
+
+@pytest.mark.parametrize("name, path", OUTSIDE_ENGINE, ids=[n for n, _ in OUTSIDE_ENGINE])
+def test_nothing_outside_the_engine_reaches_into_it(name, path):
+    """Outside engine/, an engine is reached through its facade (Engine's methods), never
+    through its scheduler, runner, weights, memory or pd objects, nor with code run on its
+    scheduler thread (call_in_loop)."""
+    found = _reach_ins(path.read_text(), str(path))
+    assert not found, f"{name} reaches into the engine:\n" + "\n".join(found)
+
+
+def test_the_reach_in_finder_finds_reach_ins():
+    source = (
+        "from radixray.engine.sched.scheduler import CallInLoop\n"
+        "def f(self, eng, hi, engines):\n"
+        "    self.engine.pd.deliver(1)\n"
+        "    eng.scheduler.kv.flush_cache()\n"
+        "    engines['on'].runner.dtype\n"
+        "    eng.call_in_loop(lambda s: s.waiting)\n"
+        "    with Engine(model='m') as hi:\n"
+        "        hi.weights.version\n"
+        "    other = Engine(model='m')\n"
+        "    other.memory.released\n"
+        "    self.weights.version, rec.pd, self.engine.limits, engine.snapshot()\n")
+    found = _reach_ins(source)
+    assert sorted({f.split(":")[0] for f in found}, key=lambda x: int(x.split()[1])) == [
+        "line 1", "line 3", "line 4", "line 5", "line 6", "line 8", "line 10"], found

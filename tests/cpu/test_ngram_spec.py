@@ -126,8 +126,8 @@ def test_accept_length_on_repetitive_text(plain, spec):
     assert meta["spec_accept_length"] > 1.5
     after = spec.scheduler.spec_stats.snapshot()
     assert after["verify_steps"] > before["verify_steps"]
-    from radixray.cluster.metrics import scheduler_snapshot
-    snap = spec.call_in_loop(scheduler_snapshot)
+    from radixray.cluster.metrics import worker_load
+    snap = worker_load(spec.snapshot())
     assert snap.spec["accept_length"] > 1.0 and sum(snap.spec["accept_length_hist"]) > 0
     from prometheus_client import generate_latest
     from prometheus_client.core import CollectorRegistry

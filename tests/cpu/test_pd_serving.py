@@ -12,6 +12,8 @@ import httpx
 import pytest
 from serving_helpers import free_port, metric, served, wait_ready
 
+from radixray.engine.faults import FaultInjector, StallKVSend
+
 PORT = free_port()
 CONFIG = {"engine": {"model": "default", "max_total_tokens": 6144,
                      "check_kv_conservation": True},
@@ -167,7 +169,8 @@ def _kill_mid_transfer(base: str, victim: str) -> dict:
     kill ``victim``, return the client's answer."""
     import ray
     prefill, decode = _handles()
-    ray.get(prefill.inject_pd_stall.remote(3.0 if victim == "decode" else 60.0))
+    ray.get(prefill.attach_fault_injector.remote(
+        FaultInjector(StallKVSend(3.0 if victim == "decode" else 60.0))))
     out: dict = {}
     t = threading.Thread(target=_long_request, args=(base, out))
     t.start()

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from serving_helpers import free_port, metric, served, tiny_config
 
+from radixray.engine.faults import FailForwards, FaultInjector
 from radixray.serve.auth import AuthPolicy
 
 RESTART_DEADLINE_S = 120.0
@@ -165,7 +166,8 @@ def test_still_serving_after_the_fuzzer(server, client):
 def test_one_faulty_forward_fails_only_its_batch(server, client):
     import ray
     from openai import InternalServerError
-    ray.get(_worker().inject_faults.remote(1, "boom in one forward"))
+    ray.get(_worker().attach_fault_injector.remote(
+        FaultInjector(FailForwards(1, "boom in one forward"))))
     with pytest.raises(InternalServerError) as err:
         client.completions.create(model="tiny", prompt="unlucky", max_tokens=3)
     assert err.value.status_code == 500 and "InjectedFault: boom in one forward" in str(err.value)
@@ -184,7 +186,7 @@ def _fail_every_step(base: str, client) -> None:
     engine gives up (two failed steps in a row)."""
     import ray
     from openai import APIStatusError
-    ray.get(_worker().inject_faults.remote(-1))
+    ray.get(_worker().attach_fault_injector.remote(FaultInjector(FailForwards(-1))))
     for _ in range(2):
         with pytest.raises(APIStatusError) as err:
             client.completions.create(model="tiny", prompt="doomed", max_tokens=3)

@@ -25,6 +25,7 @@ from radixray.engine.disaggregation.messages import (
     KVLayout,
     TransferOutcome,
 )
+from radixray.engine.faults import FaultInjector
 
 logger = logging.getLogger("radixray.pd")
 
@@ -65,7 +66,8 @@ class KVSender:
     first token, or the failure); the scheduler gets one final :class:`TransferOutcome`
     at the room's last job or fence, and before it one early, non-final failure when a
     write fails mid-prefill (so it stops prefilling and queues the fence).
-    ``fault_hook(job)``, when set (tests), runs before each write.
+    ``faults`` (a :class:`~radixray.engine.faults.FaultInjector`, tests only) is asked
+    before each write.
     """
 
     def __init__(self, transport, layout: KVLayout, worker_id: str,
@@ -73,7 +75,7 @@ class KVSender:
                  notify: Callable[[str, object], None]):
         self.transport, self.layout, self.worker_id = transport, layout, worker_id
         self.report, self.notify = report, notify
-        self.fault_hook: Callable[[WriteJob], None] | None = None
+        self.faults: FaultInjector | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._rooms: dict[int, _RoomProgress] = {}
         self._thread = threading.Thread(target=self._run, name="radixray-kv-sender", daemon=True)
@@ -108,8 +110,8 @@ class KVSender:
         if progress.error is None:
             t0 = time.perf_counter()
             try:
-                if self.fault_hook is not None:
-                    self.fault_hook(job)
+                if self.faults is not None:
+                    self.faults.before_kv_write(final=job.arrival is not None)
                 src, dst, lengths = copy_spans(self.layout, job.src_slots, job.dest.layout,
                                                job.dst_slots)
                 self.transport.write(job.dest.session, src, dst, lengths)

@@ -20,6 +20,7 @@ from radixray.engine.disaggregation.messages import (
 )
 from radixray.engine.disaggregation.prefill import PrefillSide
 from radixray.engine.disaggregation.sender import KVSender
+from radixray.engine.faults import FaultInjector
 
 logger = logging.getLogger("radixray.pd")
 
@@ -49,7 +50,7 @@ class PDLink:
         self.layout: KVLayout = pool_layout(kv_pool.k_buffers, kv_pool.v_buffers)
         self._outbox: Callable[[str, object], None] | None = None
         self.sender: KVSender | None = None
-        self.stalled: threading.Event | None = None  # set while a test stall holds the sender
+        self.faults: FaultInjector | None = None  # tests only (attach_fault_injector)
         if mode == "prefill":
             self.sender = KVSender(self.transport, self.layout, worker_id, scheduler.submit,
                                    self.send)
@@ -120,19 +121,27 @@ class PDLink:
         self.transport.write(session, *copy_spans(self.layout, zero, layout, zero))
         return time.perf_counter() - t0
 
-    def stall_next_final_write(self, seconds: float) -> None:
-        """Test hook: the sender sleeps ``seconds`` before the next room's last write."""
-        if self.sender is None:
-            raise ValueError("only a prefill engine sends KV")
-        self.stalled = stalled = threading.Event()
+    def attach_fault_injector(self, faults: FaultInjector | None) -> None:
+        """Tests: the KV sender asks ``faults`` before each write (None: detach)."""
+        self.faults = faults
+        if self.sender is not None:
+            self.sender.faults = faults
 
-        def hook(job) -> None:
-            if job.arrival is not None and self.sender.fault_hook is hook:
-                self.sender.fault_hook = None
-                stalled.set()
-                time.sleep(seconds)
-                stalled.clear()
-        self.sender.fault_hook = hook
+    def status(self) -> dict:
+        """Rooms of this side by state and in all, and whether a test stall holds the sender
+        (scheduler thread)."""
+        stalled = self.faults is not None and self.faults.kv_stalled
+        return {**self.side.counts(), "rooms": len(self.side.rooms), "stalled": stalled}
+
+    def snapshot(self) -> dict:
+        """What a load snapshot carries of this side (scheduler thread); takes its finished
+        transfers (each is reported once)."""
+        side = self.side
+        transfers = getattr(side, "transfers", [])
+        snap = {"counts": side.counts(), "bootstrap_failed": side.bootstrap_failed,
+                "transfer_failed": side.transfer_failed, "transfers": list(transfers)}
+        transfers.clear()
+        return snap
 
     def check_request(self, pd: PDBootstrap | None) -> None:
         if pd is None:

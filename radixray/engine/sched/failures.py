@@ -22,7 +22,8 @@ class StepFailures:
     """The scheduler's fault handling. ``unschedule(req)`` takes a request out of the queues,
     ``finish(req, reason)`` ends it (its KV back), ``deliver(reqs)`` hands results on,
     ``held()`` lists every unfinished request the scheduler holds, ``on_engine_failed(reason)``
-    runs once when the engine fails, before the held requests are failed."""
+    runs once when the engine fails, before any request learns of it: a caller that sees
+    its request fail with the engine can count on the listeners having heard."""
 
     def __init__(self, faults: StepFaults, unschedule: Callable[[Req], None],
                  finish: Callable[[Req, FinishReason], None],
@@ -32,10 +33,10 @@ class StepFailures:
         self._unschedule, self._finish, self._deliver = unschedule, finish, deliver
         self._held, self._on_engine_failed = held, on_engine_failed
 
-    def step_fault(self, exc: Exception, reqs: list[Req]) -> str | None:
-        """A step failed with ``exc``: fail its requests ``reqs``; log the traceback once per
-        distinct fault; count it. Returns why the engine must fail now (too many faults in
-        a row), or None."""
+    def step_fault(self, exc: Exception, reqs: list[Req]) -> None:
+        """A step failed with ``exc``: fail its requests ``reqs`` (status 500); log the
+        traceback once per distinct fault; count it, and after too many in a row fail the
+        engine too."""
         message = describe(exc)
         if message == self.faults.last_message:
             logger.error("scheduler step failed again (%d in a row): %s",
@@ -43,20 +44,25 @@ class StepFailures:
         else:
             logger.exception("scheduler step failed; its batch's requests end with an error")
         give_up = self.faults.note_failure(message)
+        if give_up:
+            self._mark_failed(give_up)
         self.fail(reqs, f"the engine failed this request's batch: {message}", BATCH_FAULT_STATUS)
-        return give_up
+        if give_up:
+            self.fail_engine(give_up)
 
-    def fail_engine(self, reason: str) -> bool:
+    def fail_engine(self, reason: str) -> None:
         """Stop serving: every held request and every later one ends with status 503. Later
-        calls keep the first reason; True on the first."""
-        first = self.faults.failed is None
-        if first:
+        calls keep the first reason."""
+        self._mark_failed(reason)
+        self.fail(self._held(), f"the engine failed: {self.faults.failed}",
+                  ENGINE_FAILED_STATUS)
+
+    def _mark_failed(self, reason: str) -> None:
+        """The engine is failed from now on (the first reason stays); tell the hook once."""
+        if self.faults.failed is None:
             self.faults.failed = reason
             logger.error("engine failed, refusing requests from now on: %s", reason)
             self._on_engine_failed(reason)
-        self.fail(self._held(), f"the engine failed: {self.faults.failed}",
-                  ENGINE_FAILED_STATUS)
-        return first
 
     def fail(self, reqs: list[Req], message: str, status: int) -> None:
         """End every unfinished request of ``reqs`` with finish reason error and deliver all

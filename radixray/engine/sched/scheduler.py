@@ -75,7 +75,7 @@ class Scheduler:
         self.on_failed: Callable[[str], None] | None = None
         self.faults = StepFaults(config.max_consecutive_failed_steps)
         self.failures = StepFailures(self.faults, self.queues.remove, self.finish,
-                                     on_output, self.held_requests, self._cancel_rebalance)
+                                     on_output, self.held_requests, self._engine_failed)
         self.output = OutputProcessor(sampler or Sampler(runner.vocab_size), stop_checker, self.kv, self.stats,
                                       runner.vocab_size, runner.context_len, self.finish)
         self.paused: str | None = None  # the pause mode while generation is paused
@@ -474,19 +474,18 @@ class Scheduler:
     def fail_step(self, exc: Exception, reqs: list[Req]) -> None:
         """A step (or an overlapped step taken in later) failed with ``exc``: fail ``reqs``,
         and the engine after too many faults in a row."""
-        give_up = self.failures.step_fault(exc, reqs)
-        if give_up:
-            self.fail_engine(give_up)
+        self.failures.step_fault(exc, reqs)
 
     def fail_engine(self, reason: str) -> None:
-        """Stop serving: every held request and every later one ends with status 503, and
-        ``on_failed`` hears the reason once. Later calls keep the first reason."""
-        if self.failures.fail_engine(reason) and self.on_failed is not None:
-            self.on_failed(reason)
+        """Stop serving: ``on_failed`` hears the reason once, then every held request and
+        every later one ends with status 503. Later calls keep the first reason."""
+        self.failures.fail_engine(reason)
 
-    def _cancel_rebalance(self, reason: str) -> None:
+    def _engine_failed(self, reason: str) -> None:
         if getattr(self.runner, "eplb", None) is not None:
             self.runner.eplb.cancel(f"the engine failed: {reason}")
+        if self.on_failed is not None:
+            self.on_failed(reason)
 
     # ---- prefill-decode disaggregation (engine/disaggregation/) --------------------
     def attach_pd(self, side) -> None:

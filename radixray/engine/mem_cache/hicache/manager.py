@@ -328,6 +328,7 @@ class HiCacheKVManager(KVManager):
                                  f"!= host pool size {size}")
 
     def tier_snapshot(self) -> dict:
-        """The counters plus the host tier's size and use."""
+        """The counters plus the host tier's size, use and bytes per token."""
         free, cached, size = self.host_account()
-        return {**asdict(self.stats), "host_pool_tokens": size, "host_cached_tokens": cached}
+        return {**asdict(self.stats), "host_pool_tokens": size, "host_cached_tokens": cached,
+                "host_bytes_per_token": self.host.bytes_per_token}

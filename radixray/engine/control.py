@@ -1,0 +1,295 @@
+"""The engine's control surface: every control verb declared once, and what the verbs return.
+
+Three implementers, one body per verb:
+
+- :class:`radixray.Engine` implements :class:`EngineControl` (blocking calls);
+- ``EngineWorker`` (actors/engine_worker.py) implements the same verbs, same parameters, as
+  coroutines that call the Engine's (an async actor must not block its event loop:
+  scheduler-thread verbs are awaited through :meth:`Engine.submit_verb`, the rest run in a
+  thread);
+- the controller (actors/fleet_ops.py) implements :class:`FleetControl`: the verbs that
+  make sense for a whole fleet, applied to every live worker, results keyed by worker id.
+
+tests/cpu/test_control_surface.py checks with ``inspect`` that each implementer defines
+every verb of its protocol with the protocol's parameters, and that every engine verb is
+either a fleet verb or declared engine-only (:data:`ENGINE_ONLY_VERBS`), so a verb cannot
+be added in one place only.
+
+A verb whose body must run on the scheduler thread between steps is marked with
+:func:`scheduler_verb`: calling it blocks until the body ran; ``engine.submit_verb(verb,
+...)`` returns a :class:`~concurrent.futures.Future` instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from radixray.engine.messages import DEFAULT_GROUP
+
+if TYPE_CHECKING:
+    from radixray.engine.faults import FaultInjector
+
+LOOP_TIMEOUT_S = 60.0  # a scheduler-thread verb that waits longer: the loop is stuck
+LONG_LOOP_TIMEOUT_S = 600.0  # verbs that move weights or the KV pool
+
+
+def scheduler_verb(timeout: float = LOOP_TIMEOUT_S):
+    """Mark an Engine method whose body runs on the scheduler thread between steps.
+
+    The decorated method, called, hands its body to the scheduler's inbox and waits (at most
+    ``timeout`` s: TimeoutError) for the result or the exception. Its body stays reachable
+    as ``loop_body`` for :meth:`Engine.submit_verb`, so async callers await the same body
+    without holding a thread.
+    """
+    def wrap(body: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(body)
+        def verb(self, *args, **kwargs):
+            return self._loop_future(functools.partial(body, self, *args, **kwargs)
+                                     ).result(timeout)
+        verb.loop_body = body
+        return verb
+    return wrap
+
+
+@dataclass
+class EngineSnapshot:
+    """One engine's counters and gauges at one moment (``Engine.snapshot()``), taken on the
+    scheduler thread so the numbers agree with each other. A worker reports the serving
+    part as its ``WorkerLoad``; benchmarks read the step counters."""
+
+    num_running_reqs: int
+    num_queue_reqs: int
+    num_used_tokens: int  # KV slots held by requests or the cache
+    max_total_num_tokens: int  # the KV pool's size
+    token_usage: float
+    gen_throughput: float  # decode tokens/s over the last log interval; 0 when idle
+    prompt_tokens: int
+    generation_tokens: int
+    prefill_input_tokens: int
+    prefill_cached_tokens: int
+    num_retracted_reqs: int
+    num_aborted_reqs: int
+    failed_steps: int
+    engine_failed: bool
+    paused: str | None  # the pause mode while generation is paused
+    kv_slot_leak: int  # the last KV audit's difference (engine/mem_cache/kv_audit.py)
+    weight_version: int
+    weight_load_seconds: float
+    memory_released: list[str] = field(default_factory=list)  # tags released now
+    forward_steps: int = 0
+    decode_steps: int = 0
+    mixed_forwards: int = 0  # prefill forwards that carried decode requests
+    pd: dict | None = None  # prefill/decode: PDLink.snapshot() (takes finished transfers)
+    eplb: dict | None = None  # with enable_eplb: ExpertBalancer.snapshot()
+    hicache: dict | None = None  # with enable_hierarchical_cache: KVManager.tier_snapshot()
+    grammar: dict | None = None  # structured output: GrammarManager.snapshot()
+    spec: dict | None = None  # with speculative_algorithm: SpecStats.snapshot()
+    overlap: dict | None = None  # with enable_overlap_schedule: OverlapStats.snapshot()
+
+    @classmethod
+    def of(cls, engine) -> EngineSnapshot:
+        """Read ``engine`` (an Engine; scheduler thread only)."""
+        s = engine.scheduler
+        st = s.stats
+        used, usage = s.token_usage()
+        eplb = getattr(s.runner, "eplb", None)
+        return cls(
+            num_running_reqs=s.num_running, num_queue_reqs=s.num_waiting,
+            num_used_tokens=used, max_total_num_tokens=s.kv.pool_size, token_usage=usage,
+            gen_throughput=st.gen_throughput if s.num_running else 0.0,
+            prompt_tokens=st.prompt_tokens, generation_tokens=st.generation_tokens,
+            prefill_input_tokens=st.prefill_input_tokens,
+            prefill_cached_tokens=st.prefill_cached_tokens,
+            num_retracted_reqs=st.num_retracted_reqs, num_aborted_reqs=st.num_aborted_reqs,
+            failed_steps=s.faults.total, engine_failed=s.faults.failed is not None,
+            paused=s.paused, kv_slot_leak=s.kv_audit.leak,
+            weight_version=engine.weights.version,
+            weight_load_seconds=s.runner.weight_load_seconds,
+            memory_released=sorted(engine.memory.released),
+            forward_steps=st.forward_steps, decode_steps=st.decode_steps,
+            mixed_forwards=st.mixed_forwards,
+            pd=engine.pd.snapshot() if engine.pd is not None else None,
+            eplb=eplb.snapshot() if eplb else None, hicache=s.kv.tier_snapshot(),
+            grammar=s.grammar.snapshot(),
+            spec=s.spec_stats.snapshot() if s.spec_stats is not None else None,
+            overlap=s.overlap_stats.snapshot() if s.overlap_stats is not None else None)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What measurements need to know of the served model (benchmarks' rooflines)."""
+
+    module: Any  # the torch module: read its parameters, do not change them
+    dtype: Any  # torch.dtype of the activations
+    kv_bytes_per_token: int
+    vocab_size: int
+
+
+@dataclass
+class ForwardTimer:
+    """Wall seconds spent in forward passes since it was started (``Engine.time_forwards``);
+    set ``seconds`` to 0 to start over."""
+
+    seconds: float = 0.0
+
+    @classmethod
+    def around(cls, runner) -> ForwardTimer:
+        """A timer that ``runner.forward`` adds each pass's wall time to from now on."""
+        timer, inner = cls(), runner.forward
+
+        def timed(batch):
+            t0 = time.perf_counter()
+            try:
+                return inner(batch)
+            finally:
+                timer.seconds += time.perf_counter() - t0
+        runner.forward = timed
+        return timer
+
+
+class EngineControl(Protocol):
+    """The control verbs of one engine. ``Engine`` implements them as blocking calls,
+    ``EngineWorker`` as coroutines with the same parameters. Unless stated, a verb is
+    thread-safe and returns once it took effect."""
+
+    def pause_generation(self, mode: str = "abort") -> int:
+        """Stop scheduling: ``abort`` ends every request, ``retract`` sends running ones back
+        to the queue (KV freed), ``in_place`` holds them with their KV. New requests wait
+        until :meth:`continue_generation`. Returns how many requests the mode touched;
+        ValueError names a bad mode."""
+
+    def continue_generation(self) -> bool:
+        """Schedule again; False if generation was not paused. ValueError while memory is
+        released."""
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        """Give back the memory of ``tags`` (``kv_cache``, ``weights``; None: both) while
+        paused; returns what was freed. ValueError for a tag that cannot be released here."""
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        """Take back the memory of released ``tags`` (None: every released tag)."""
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; False (nothing changes) while requests run."""
+
+    def rebalance_experts(self, timeout: float = 600.0) -> dict:
+        """Rebalance the MoE model's expert copies (EPLB) for the recent load; the report as a
+        dict. Waits while a weight-update session is open (at most ``timeout`` s)."""
+
+    def check_kv_conservation(self) -> dict:
+        """Assert free + request-held + cache-held == pool size now; returns the numbers."""
+
+    def abort(self, rids: str | Sequence[str]) -> None:
+        """Abort requests by id (unknown ids are ignored); their KV returns."""
+
+    def snapshot(self) -> EngineSnapshot:
+        """Counters and gauges now (see :class:`EngineSnapshot`)."""
+
+    def attach_fault_injector(self, injector: FaultInjector | None) -> None:
+        """Tests only: consult ``injector`` at every fault point from now on (None: detach)."""
+
+    # ---- weight updates: begin, stage (tensor | disk | distributed), prepare, commit,
+    # finish; or end (prepare + commit + finish); abort or rollback on failure.
+    def begin_weight_update(self) -> None:
+        """Open a weight-update session (ValueError if one is open)."""
+
+    def update_weights_from_tensor(self, named_tensors) -> dict:
+        """Stage Hugging Face-named tensors in the open session."""
+
+    def update_weights_from_disk(self, model_path: str) -> dict:
+        """Stage every tensor of a Hugging Face folder's (or one file's) safetensors."""
+
+    def init_weights_update_group(self, master_address: str, master_port: int,
+                                  rank_offset: int, world_size: int,
+                                  group_name: str = DEFAULT_GROUP, backend: str = "gloo",
+                                  timeout_s: float = 600.0) -> dict:
+        """Join the trainer's torch.distributed group as rank ``rank_offset``."""
+
+    def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> bool:
+        """Leave the trainer's group; False if not in it."""
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
+                                        group_name: str = DEFAULT_GROUP) -> dict:
+        """Receive the trainer's broadcast of ``names`` into the open session."""
+
+    def prepare_weight_update(self, weight_version: int) -> dict:
+        """First half of ending a session: check and ready the staged weights as
+        ``weight_version``; nothing serving changes."""
+
+    def commit_weight_update(self) -> int:
+        """Serve the prepared weights from the next step on; returns the version."""
+
+    def rollback_weight_update(self) -> bool:
+        """Serve the weights of before the last commit again (a fleet update failed)."""
+
+    def finish_weight_update(self) -> dict:
+        """Close the committed session; the version and each phase's time."""
+
+    def end_weight_update(self, weight_version: int) -> dict:
+        """Prepare, commit and finish in one call."""
+
+    def abort_weight_update(self) -> bool:
+        """Drop the open session; the current weights go on serving."""
+
+    def get_weight_version(self) -> int:
+        """The version of the weights serving now."""
+
+
+class FleetControl(Protocol):
+    """The verbs a controller applies to every live worker (actors/fleet_ops.py). Results
+    are keyed by worker id; a worker's error is its entry (``{"error": ...}``). A fleet
+    weight update is one verb (``update_weights``) that runs the engine's steps on every
+    worker, all or none."""
+
+    async def pause_generation(self, mode: str) -> dict: ...
+
+    async def continue_generation(self) -> dict: ...
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> dict: ...
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> dict: ...
+
+    async def flush_cache(self) -> dict: ...
+
+    async def rebalance_experts(self) -> dict: ...
+
+    async def check_kv_conservation(self) -> dict: ...
+
+    async def get_weight_version(self) -> dict: ...
+
+    async def init_weights_update_group(self, master_address: str, master_port: int,
+                                        world_size: int, group_name: str = DEFAULT_GROUP,
+                                        backend: str = "gloo",
+                                        timeout_s: float = 600.0) -> dict: ...
+
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> dict: ...
+
+    async def update_weights(self, source: dict, weight_version: int | None = None,
+                             pause_mode: str | None = "retract",
+                             release_memory: list[str] = (), keep_paused: bool = False
+                             ) -> dict: ...
+
+
+def verbs_of(protocol: type) -> list[str]:
+    """The verb names a protocol declares, in declaration order."""
+    return [name for name in vars(protocol)
+            if not name.startswith("_") and callable(getattr(protocol, name))]
+
+
+CONTROL_VERBS = verbs_of(EngineControl)
+FLEET_VERBS = verbs_of(FleetControl)
+# Engine verbs a fleet does not apply one by one: a fleet update drives the weight steps
+# itself (``update_weights``), requests are aborted where they run, snapshots are read per
+# worker (``load``), and faults are attached per engine by tests.
+ENGINE_ONLY_VERBS = frozenset({
+    "abort", "snapshot", "attach_fault_injector", "begin_weight_update",
+    "update_weights_from_tensor", "update_weights_from_disk",
+    "update_weights_from_distributed", "prepare_weight_update", "commit_weight_update",
+    "rollback_weight_update", "finish_weight_update", "end_weight_update",
+    "abort_weight_update"})
+# Fleet verbs that are not one engine verb applied to every worker.
+FLEET_ONLY_VERBS = frozenset({"update_weights"})
