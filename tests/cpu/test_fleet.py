@@ -175,10 +175,14 @@ def _busy_worker(base: str, want: str | None = None) -> str:
 def test_drain_finishes_in_flight_and_routes_new_requests_elsewhere(fleet):
     import threading
     results: list = []
+    # Paused in place, the worker holds the request without running it, so it is still in
+    # flight when the drain is asked for, however fast or loaded the machine is.
+    _admin(fleet, "/pause_generation", {"mode": "in_place"})
     t = threading.Thread(target=_stream_generate, args=(fleet, "a long story", 400, results))
     t.start()
     drained = _busy_worker(fleet)
     reply = _admin(fleet, f"/fleet/workers/{drained}/drain")
+    _admin(fleet, "/continue_generation")
     assert reply["state"] == "draining" and reply["inflight"] == 1
     served = set()
     for i in range(4):

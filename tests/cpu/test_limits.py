@@ -82,10 +82,9 @@ def test_a_body_over_the_limit_is_a_413_from_its_length_or_while_it_streams(echo
 
 
 def _worker_with_queue(waiting: int, inbox: int, limit: int | None):
-    scheduler = SimpleNamespace(waiting=[object()] * waiting,
-                                inbox=SimpleNamespace(qsize=lambda: inbox))
+    """A worker whose engine has ``waiting`` queued and ``inbox`` not yet taken in."""
     return SimpleNamespace(max_queued_requests=limit, retry_after_s=3, worker_id="worker-0",
-                           engine=SimpleNamespace(scheduler=scheduler))
+                           engine=SimpleNamespace(num_queued=lambda: waiting + inbox))
 
 
 def test_a_full_queue_refuses_at_once_with_retry_after():
