@@ -27,12 +27,11 @@ from dataclasses import dataclass, field
 
 from radixray.cluster.errors import unwrap_ray_error
 from radixray.cluster.metrics import WeightUpdateMetrics
-from radixray.engine.sched.pause import PAUSE_MODES
+from radixray.engine.control_types import PAUSE_MODES, RELEASABLE_DURING_UPDATE
 
 logger = logging.getLogger("radixray.controller")
 
 SOURCES = ("disk", "tensor", "distributed")
-RELEASABLE_DURING_UPDATE = ("kv_cache",)
 
 
 class FleetUpdateFailed(RuntimeError):
@@ -203,8 +202,8 @@ class FleetWeights:
                      pause_mode: str | None, release: list[str], keep_paused: bool) -> dict:
         """Run one update on ``records`` (the live workers); set their versions on success.
         The version defaults to the current one + 1."""
-        # here, not at the top: weight_session needs torch, which the controller otherwise
-        # never imports (its start-up is on every fleet's critical path)
+        # here, not at the top: engine/weights/session.py needs torch, which the controller
+        # otherwise never imports (its start-up is on every fleet's critical path)
         from radixray.engine.weights.session import check_version
         async with self.lock:
             version = check_version(self.version + 1 if weight_version is None

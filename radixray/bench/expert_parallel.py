@@ -7,7 +7,7 @@ the ranks, each rank's share submitted as one batch after a warm-up request. Rep
 per EP size: output tokens/s (all ranks' tokens over the slowest rank's time), the
 seconds each rank spent in forward passes, the share of them inside the MoE exchanges
 (the dispatchers' collective timers), and the bytes the exchanges moved per token per
-MoE layer, next to the formula of ``models/ep_dispatch.py``.
+MoE layer, next to the formula of ``engine/ep/dispatch.py``.
 
 The model is ``--model`` (a Hugging Face MoE folder) or, by default, a random-weight
 Qwen3-MoE built here (``--tiny``: 4 layers, hidden 256, 16 experts, top 4), with the

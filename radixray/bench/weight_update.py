@@ -40,6 +40,7 @@ import tempfile
 import time
 
 from radixray.bench import save_json
+from radixray.engine.control_types import MEMORY_TAGS
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +89,9 @@ def _rental(engine) -> dict:
     """Pause + release (kv_cache, weights), then resume + continue: the colocated round trip."""
     t0 = time.perf_counter()
     engine.pause_generation("retract")
-    released = engine.release_memory_occupation(["kv_cache", "weights"])
+    released = engine.release_memory_occupation(list(MEMORY_TAGS))
     t1 = time.perf_counter()
-    engine.resume_memory_occupation(["kv_cache", "weights"])
+    engine.resume_memory_occupation(list(MEMORY_TAGS))
     engine.continue_generation()
     return {"release": t1 - t0, "resume": time.perf_counter() - t1, "bytes": released["bytes"]}
 

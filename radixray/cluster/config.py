@@ -205,10 +205,6 @@ class FleetSection(BaseModel):
             return ["prefill"] * self.prefill_workers + ["decode"] * self.decode_workers
         return ["unified"] * self.workers
 
-    @property
-    def total_workers(self) -> int:
-        return len(self.roles())
-
 
 class _RouterBase(_DataclassSection):
     # The retry knobs belong to the ingress's dispatcher, not to the routing core.

@@ -19,6 +19,7 @@ from radixray.cluster.config import (
     merge,
     read_yaml_mapping,
 )
+from radixray.engine.control_types import PauseMode
 
 PLACEMENTS = ("colocated", "separate")
 
@@ -49,7 +50,7 @@ class GRPOConfig(BaseModel):
     deterministic: bool = Field(False, description="batch-invariant workers and an engine-exact "
                                 "trainer forward: rollout and train logprobs equal to the bit "
                                 "(CPU, float32)")
-    pause_mode: Literal["abort", "retract", "in_place"] = Field(
+    pause_mode: PauseMode = Field(
         "retract", description="what a weight update does to user requests on a shared fleet")
     rollout_priority: int = Field(-1, description="rollouts' scheduling priority (user "
                                   "requests default to 0; needs enable_priority_scheduling)")

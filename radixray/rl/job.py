@@ -27,6 +27,7 @@ import socket
 import time
 import uuid
 
+from radixray.engine.control_types import MEMORY_TAGS
 from radixray.rl.config import GRPOConfig
 from radixray.rl.placement import JobPlacement, trainer_memory_bytes
 from radixray.rl.rollout import Group, RolloutManager
@@ -126,7 +127,7 @@ class Job:
         if self.cfg.placement == "colocated":
             _check(ray.get(self.controller.pause_generation.remote(self.cfg.pause_mode)), "pause")
             _check(ray.get(self.controller.release_memory_occupation.remote(
-                ["kv_cache", "weights"])), "release_memory_occupation")
+                list(MEMORY_TAGS))), "release_memory_occupation")
         try:
             return ray.get(self.trainer.train_step.remote(samples))
         except BaseException:

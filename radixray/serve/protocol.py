@@ -12,10 +12,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from radixray.cluster.routing import PolicyName
+from radixray.engine.control_types import MemoryTag, PauseMode, ReleasableDuringUpdate
 from radixray.engine.grammar.spec import JSON_OBJECT_SCHEMA
-
-PauseMode = Literal["abort", "retract", "in_place"]
-MemoryTag = Literal["kv_cache", "weights"]
 
 
 class StreamOptions(BaseModel):
@@ -174,7 +172,7 @@ class _FleetUpdate(BaseModel):
 
     weight_version: int | None = Field(None, ge=1, description="default: the current one + 1")
     pause_mode: PauseMode | None = "retract"
-    release_memory: list[Literal["kv_cache"]] = []
+    release_memory: list[ReleasableDuringUpdate] = []
     keep_paused: bool = False
 
 

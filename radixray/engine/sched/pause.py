@@ -14,7 +14,8 @@ calls are still answered between (absent) steps. Run these on the scheduler thre
 
 from __future__ import annotations
 
-PAUSE_MODES = ("abort", "retract", "in_place")
+from radixray.engine.control_types import PAUSE_MODES
+
 ABORT_MESSAGE = "aborted by pause_generation(mode='abort')"
 
 
