@@ -18,6 +18,7 @@ from radixray.actors.lifecycle import after_rebuild
 from radixray.cluster.errors import WorkerUnavailable, unwrap_ray_error
 from radixray.cluster.messages import FleetHealth, WorkerEntry
 from radixray.cluster.metrics import controller_families
+from radixray.cluster.weight_sources import WeightSource
 from radixray.engine.messages import DEFAULT_GROUP
 
 logger = logging.getLogger("radixray.controller")
@@ -208,11 +209,11 @@ class FleetOperations:
         return dict(zip((r.worker_id for r in live), left))
 
     @after_rebuild
-    async def update_weights(self, source: dict, weight_version: int | None = None,
+    async def update_weights(self, source: WeightSource, weight_version: int | None = None,
                              pause_mode: str | None = "retract",
                              release_memory: list[str] = (), keep_paused: bool = False) -> dict:
         """One weight update on every live worker, all or none (see weight_rollout.py).
-        ``source``: WeightSource fields (``kind`` disk | tensor | distributed). The version
+        ``source``: a cluster/weight_sources.py type (disk, tensor, distributed). The version
         defaults to the fleet's current one + 1. Workers left stale by a restart take
         requests again afterwards."""
         result = await self.weights.update(self.registry.live(), source, weight_version,

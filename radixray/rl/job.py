@@ -27,6 +27,7 @@ import socket
 import time
 import uuid
 
+from radixray.cluster.weight_sources import DistributedWeights, TensorWeights
 from radixray.engine.control_types import MEMORY_TAGS
 from radixray.rl.config import GRPOConfig
 from radixray.rl.placement import JobPlacement, trainer_memory_bytes
@@ -164,8 +165,8 @@ class Job:
         t1 = time.perf_counter()
         handle = ray.get(self.trainer.write_shared.remote())
         t2 = time.perf_counter()
-        source = {"kind": "tensor", "shared": handle}
-        result = ray.get(self.controller.update_weights.remote(source, None, cfg.pause_mode))
+        result = ray.get(self.controller.update_weights.remote(TensorWeights(shared=handle), None,
+                                                               cfg.pause_mode))
         result["phases"] = {"resume_memory": t1 - t0, "trainer_write": t2 - t1,
                             **result["phases"]}
         return result
@@ -173,7 +174,7 @@ class Job:
     def _sync_separate(self) -> dict:
         import ray
         names, dtypes, shapes = self.spec
-        source = {"kind": "distributed", "names": names, "dtypes": dtypes, "shapes": shapes}
+        source = DistributedWeights(names, dtypes, shapes)
         update = self.controller.update_weights.remote(source, None, self.cfg.pause_mode)
         try:
             ray.get(self.trainer.broadcast.remote())
