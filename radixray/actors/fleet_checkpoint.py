@@ -32,7 +32,7 @@ class FleetCheckpoint:
     owns_placement_group: bool = True
     draining: bool = False
     weight_version: int = 0
-    replay: object = None  # WeightSource of the last update, when a worker can repeat it
+    replay: object = None  # the last update (DiskWeights) when a worker can repeat it
     stale: set[str] = field(default_factory=set)
     policy: str | None = None  # the routing policy set at run time
     slots: dict[str, tuple[int, int]] = field(default_factory=dict)  # worker -> (gen, restarts)

@@ -2,7 +2,7 @@
 fleet-wide fan-outs (pause, memory, KV checks), views (health, state, metrics) and the RL
 control plane's weight updates (actors/weight_rollout.py).
 
-The fleet-wide control verbs implement :class:`~radixray.engine.control.FleetControl`
+The fleet-wide control verbs implement :class:`~radixray.cluster.fleet_control.FleetControl`
 (tests/cpu/test_control_surface.py checks the names and parameters): each asks every live
 worker's engine verb and reports by worker id.
 
@@ -22,6 +22,7 @@ from radixray.actors.lifecycle import after_rebuild
 from radixray.cluster.errors import WorkerUnavailable, unwrap_ray_error
 from radixray.cluster.messages import FleetHealth, WorkerEntry
 from radixray.cluster.metrics import controller_families
+from radixray.cluster.weight_sources import WeightSource
 from radixray.engine.messages import DEFAULT_GROUP
 
 logger = logging.getLogger("radixray.controller")
@@ -212,11 +213,11 @@ class FleetOperations:
         return dict(zip((r.worker_id for r in live), left))
 
     @after_rebuild
-    async def update_weights(self, source: dict, weight_version: int | None = None,
+    async def update_weights(self, source: WeightSource, weight_version: int | None = None,
                              pause_mode: str | None = "retract",
                              release_memory: list[str] = (), keep_paused: bool = False) -> dict:
         """One weight update on every live worker, all or none (see weight_rollout.py).
-        ``source``: WeightSource fields (``kind`` disk | tensor | distributed). The version
+        ``source``: a cluster/weight_sources.py type (disk, tensor, distributed). The version
         defaults to the fleet's current one + 1. Workers left stale by a restart take
         requests again afterwards."""
         result = await self.weights.update(self.registry.live(), source, weight_version,

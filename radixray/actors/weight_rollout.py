@@ -6,8 +6,9 @@ Phases, each timed (returned and exported as ``radixray:weight_update_phase_seco
    skips it: the new weights then go live between two steps, as after ``in_place``);
 2. ``release``: optional memory release (only ``kv_cache``: staging the new weights
    reads the old ones, and the freed KV pool makes room for the staged copy);
-3. ``transfer``: every worker opens a session and stages the weights (from disk, from a
-   tensor payload in the object store, or from a trainer's broadcast);
+3. ``transfer``: every worker opens a session and stages the weights (from disk, from
+   tensors in shared memory or the object store, or from a trainer's broadcast: the
+   source types of cluster/weight_sources.py);
 4. ``load``: every worker prepares (fills rows not sent, repacks int8 layers);
 5. ``commit``: every worker swaps the new weights in with the same version;
 6. ``resume``: released memory comes back and generation continues.
@@ -23,66 +24,36 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 
 from radixray.cluster.errors import unwrap_ray_error
 from radixray.cluster.metrics import WeightUpdateMetrics
-from radixray.engine.sched.pause import PAUSE_MODES
+from radixray.cluster.weight_sources import (
+    DiskWeights,
+    DistributedWeights,
+    TensorWeights,
+    WeightSource,
+    check_source,
+)
+from radixray.engine.control import PAUSE_MODES, RELEASABLE_DURING_UPDATE
 
 logger = logging.getLogger("radixray.controller")
-
-SOURCES = ("disk", "tensor", "distributed")
-RELEASABLE_DURING_UPDATE = ("kv_cache",)
 
 
 class FleetUpdateFailed(RuntimeError):
     """A fleet-wide update failed on some worker; every worker serves the old weights."""
 
 
-@dataclass
-class WeightSource:
-    """Where the new weights come from.
-
-    ``disk``: ``path`` (a Hugging Face folder or a .safetensors file every worker can read).
-    ``tensor``: ``shared``, a :class:`~radixray.cluster.shared_weights.SharedWeightsHandle`
-    (a colocated trainer's shared-memory file, the fast path), or ``payload``, a
-    one-element list holding the ObjectRef of a
-    :func:`~radixray.cluster.tensor_payload.to_payload` list (the list keeps Ray from
-    resolving it in the controller; each worker maps it from the object store).
-    ``distributed``: ``names``, ``dtypes``, ``shapes`` of the tensors the trainer (rank 0)
-    broadcasts over ``group_name`` (see the controller's ``init_weights_update_group``).
-    """
-
-    kind: str
-    path: str | None = None
-    payload: list | None = None
-    shared: object = None
-    names: list[str] = field(default_factory=list)
-    dtypes: list = field(default_factory=list)
-    shapes: list = field(default_factory=list)
-    group_name: str = "weight_update_group"
-
-    def __post_init__(self) -> None:
-        if self.kind not in SOURCES:
-            raise ValueError(f"source must be one of {SOURCES}, got {self.kind!r}")
-        if self.kind == "disk" and not self.path:
-            raise ValueError("a disk update needs model_path")
-        if self.kind == "tensor" and self.shared is None and not (
-                isinstance(self.payload, list) and len(self.payload) == 1):
-            raise ValueError("a tensor update needs shared=SharedWeightsWriter(...).write(named) "
-                             "or payload=[ray.put(to_payload(named))]")
-        if self.kind == "distributed" and not self.names:
-            raise ValueError("a distributed update needs names, dtypes and shapes")
-
-    def stage(self, handle):
-        """The worker call that stages this source on ``handle``."""
-        if self.kind == "disk":
-            return handle.update_weights_from_disk.remote(self.path)
-        if self.kind == "tensor":
-            return handle.update_weights_from_tensor.remote(
-                self.shared if self.shared is not None else self.payload[0])
-        return handle.update_weights_from_distributed.remote(self.names, self.dtypes, self.shapes,
-                                                             self.group_name)
+def stage(source: WeightSource, handle):
+    """The worker call that stages ``source`` on ``handle`` (dispatched on its type)."""
+    check_source(source)
+    match source:
+        case DiskWeights(path=path):
+            return handle.update_weights_from_disk.remote(path)
+        case TensorWeights(shared=shared, payload=payload):
+            return handle.update_weights_from_tensor.remote(shared if shared is not None
+                                                            else payload)
+        case DistributedWeights(names=names, dtypes=dtypes, shapes=shapes, group_name=group):
+            return handle.update_weights_from_distributed.remote(names, dtypes, shapes, group)
 
 
 def check_plan(pause_mode: str | None, release: list[str]) -> None:
@@ -144,7 +115,7 @@ async def run_fleet_update(workers: dict, source: WeightSource, version: int,
         if release:
             await timed("release", lambda h: h.release_memory_occupation.remote(list(release)))
         await timed("transfer", lambda h: h.begin_weight_update.remote())
-        await timed("transfer", source.stage)
+        await timed("transfer", lambda h: stage(source, h))
         await timed("load", lambda h: h.prepare_weight_update.remote(version))
         t0 = time.perf_counter()
         results = await asyncio.gather(*(workers[w].commit_weight_update.remote() for w in workers),
@@ -199,20 +170,20 @@ class FleetWeights:
         """Take back :meth:`saved`'s state (a restarted controller)."""
         self.version, self._replay, self.stale = version, replay, set(stale)
 
-    async def update(self, records: list, source: dict, weight_version: int | None,
+    async def update(self, records: list, source: WeightSource, weight_version: int | None,
                      pause_mode: str | None, release: list[str], keep_paused: bool) -> dict:
-        """Run one update on ``records`` (the live workers); set their versions on success.
-        The version defaults to the current one + 1."""
-        # here, not at the top: weight_session needs torch, which the controller otherwise
-        # never imports (its start-up is on every fleet's critical path)
+        """Run one update on ``records`` (the live workers) from ``source``; set their
+        versions on success. The version defaults to the current one + 1."""
+        # here, not at the top: engine/weights/session.py needs torch, which the controller
+        # otherwise never imports (its start-up is on every fleet's critical path)
         from radixray.engine.weights.session import check_version
         async with self.lock:
             version = check_version(self.version + 1 if weight_version is None
                                     else weight_version, self.version)
-            src = WeightSource(**source)
+            check_source(source)
             phases: dict[str, float] = {}
             try:
-                result = await run_fleet_update({r.worker_id: r.handle for r in records}, src,
+                result = await run_fleet_update({r.worker_id: r.handle for r in records}, source,
                                                 version, pause_mode, list(release), keep_paused,
                                                 phases)
             except FleetUpdateFailed:
@@ -220,7 +191,7 @@ class FleetWeights:
                 raise
             self.metrics.observe(phases, ok=True)
             self.version = version
-            self._replay = src if src.kind == "disk" else None
+            self._replay = source if isinstance(source, DiskWeights) else None
             for rec in records:
                 rec.weight_version = version
             return result
@@ -239,7 +210,7 @@ class FleetWeights:
                         f"repeated for one worker): it takes requests after the next update")
             try:
                 await rec.handle.begin_weight_update.remote()
-                await self._replay.stage(rec.handle)
+                await stage(self._replay, rec.handle)
                 await rec.handle.end_weight_update.remote(self.version)
             except Exception as exc:  # noqa: BLE001 - the worker stays out of routing
                 await _quietly({rec.worker_id: rec.handle}, lambda h: h.abort_weight_update.remote())

@@ -17,14 +17,17 @@ def random_token_prompts(n: int, length: int, vocab: int, seed: int) -> list[lis
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def add_engine_arguments(p) -> None:
-    """The engine options an in-process benchmark takes: model, dtype, int8, KV dtype."""
-    p.add_argument("--model", default="default",
-                   help="'default' (SmolLM2-135M GGUF), an HF folder or a .gguf")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--quantization", default=None, choices=["w8a8_int8"])
-    p.add_argument("--quantize-lm-head", action="store_true")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8_e5m2"])
+ENGINE_FLAGS = ("model", "dtype", "quantization", "quantize_lm_head", "kv_cache_dtype")
+
+
+def add_engine_arguments(p, names: tuple[str, ...] = ENGINE_FLAGS, **defaults) -> None:
+    """Engine options ``names`` as flags of an in-process benchmark, with the type, choices,
+    default and help of their declaration in EngineConfig; ``defaults`` sets a default of
+    this benchmark's own (a smaller KV pool, say)."""
+    from radixray.engine import options
+    from radixray.engine.config import EngineConfig
+    options.add_flags(p, EngineConfig, with_defaults=True, only=names)
+    p.set_defaults(**defaults)
 
 
 def register(bench_subparsers, name: str, help: str, add_arguments, run) -> None:

@@ -7,7 +7,7 @@ the ranks, each rank's share submitted as one batch after a warm-up request. Rep
 per EP size: output tokens/s (all ranks' tokens over the slowest rank's time), the
 seconds each rank spent in forward passes, the share of them inside the MoE exchanges
 (the dispatchers' collective timers), and the bytes the exchanges moved per token per
-MoE layer, next to the formula of ``models/ep_dispatch.py``.
+MoE layer, next to the formula of ``engine/ep/dispatch.py``.
 
 The model is ``--model`` (a Hugging Face MoE folder) or, by default, a random-weight
 Qwen3-MoE built here (``--tiny``: 4 layers, hidden 256, 16 experts, top 4), with the
@@ -24,7 +24,7 @@ import os
 import tempfile
 import time
 
-from radixray.bench import random_token_prompts, save_json
+from radixray.bench import add_engine_arguments, random_token_prompts, save_json
 from radixray.engine.ep.group import free_tcp_address
 
 logger = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ def add_parser(bench_subparsers) -> None:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--max-total-tokens", type=int, default=8192)
+    add_engine_arguments(p, ("max_total_tokens",), max_total_tokens=8192)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout-s", type=float, default=600)

@@ -28,6 +28,8 @@ import random
 import statistics
 import tempfile
 
+from radixray.bench import add_engine_arguments
+
 MODES = ("recompute", "cold", "device", "host", "storage")
 
 
@@ -117,10 +119,9 @@ PROSE = ("The printing press spread across Europe within decades, and with it pa
 def add_parser(sub) -> None:
     p = sub.add_parser("hicache", help="TTFT of an evicted conversation: host tier, storage "
                        "tier and recompute, side by side")
-    p.add_argument("--model", default="default")
+    add_engine_arguments(p, ("model", "dtype"))
     p.add_argument("--tokens", type=int, default=4096, help="conversation length")
     p.add_argument("--repeats", type=int, default=3, help="medians over this many")
-    p.add_argument("--dtype", default="auto")
     p.add_argument("--layout-check", type=int, default=0, metavar="NEW_TOKENS",
                    help="instead: greedy tokens after a host hit vs computed, for the auto "
                    "and fp8_e4m3 host layouts, this many new tokens")

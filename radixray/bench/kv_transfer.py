@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from radixray.bench import add_engine_arguments
+
 
 def _pool(layers: int, slots: int, heads: int, dim: int, dtype: torch.dtype, fill: bool):
     from radixray.engine.mem_cache.hugepages import empty_huge, populate_rows
@@ -87,8 +89,7 @@ def run(model: str, tokens: int, repeats: int, loopback_chunk: int = 64 << 20) -
 
 def add_parser(sub) -> None:
     p = sub.add_parser("kv-transfer", help="the KV transport (Mooncake TCP) vs loopback TCP")
-    p.add_argument("--model", default="default", help="KV shape of this model (default: the "
-                   "default model)")
+    add_engine_arguments(p, ("model",))  # the KV shape of this model
     p.add_argument("--tokens", type=int, default=2048, help="prompt tokens per write")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--output-json", default=None)

@@ -18,7 +18,13 @@ import os
 import statistics
 import time
 
-from radixray.bench import add_engine_arguments, random_token_prompts, register, save_json
+from radixray.bench import (
+    ENGINE_FLAGS,
+    add_engine_arguments,
+    random_token_prompts,
+    register,
+    save_json,
+)
 
 
 def _timed(eng, prompts: list[list[int]], new_tokens: int) -> float:
@@ -83,11 +89,10 @@ def run(args) -> dict:
 
 
 def _add_arguments(p) -> None:
-    add_engine_arguments(p)
+    add_engine_arguments(p, ENGINE_FLAGS + ("max_total_tokens",), max_total_tokens=16384)
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--max-total-tokens", type=int, default=16384)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--output", default=None, help="write the results as JSON here")
 

@@ -22,6 +22,8 @@ import json
 import math
 import statistics
 
+from radixray.bench import add_engine_arguments
+
 CHAT_PROMPTS = (
     "What is the capital of France?", "Write a Python function that reverses a string.",
     "Explain photosynthesis in two sentences.", "List three primary colors.",
@@ -101,14 +103,11 @@ def add_parser(bench_subparsers) -> argparse.ArgumentParser:
     p = bench_subparsers.add_parser(
         "quant-quality", help="perplexity and greedy agreement of w8a8_int8 against the unquantized model",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="default", help="'default', a .gguf file or an HF folder")
+    # quantize_lm_head and kv_cache_dtype apply to the quantized engine of the comparison
+    add_engine_arguments(p, ("model", "quantize_lm_head", "kv_cache_dtype"))
     p.add_argument("--text-file", default="README.md", help="text whose perplexity is measured")
     p.add_argument("--max-tokens", type=int, default=1024, help="tokens of the text used")
     p.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens per chat prompt")
-    p.add_argument("--quantize-lm-head", action="store_true",
-                   help="quantize the lm_head too (the engine's quantize_lm_head option)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8_e5m2"],
-                   help="KV pool of the quantized engine in the greedy comparison")
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=run_cli)
     return p

@@ -24,6 +24,8 @@ import json
 import random
 import statistics
 
+from radixray.bench import add_engine_arguments
+
 PASSAGE = (
     "def merge_sorted(a, b):\n    out, i, j = [], 0, 0\n    while i < len(a) and j < len(b):\n"
     "        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n        else:\n"
@@ -134,15 +136,13 @@ def add_parser(bench_subparsers) -> argparse.ArgumentParser:
     p = bench_subparsers.add_parser(
         "spec", help="decode tokens/s with and without n-gram speculative decoding",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="default", help="'default', a .gguf file or an HF folder")
+    add_engine_arguments(p, ("model", "max_total_tokens", "num_threads"), max_total_tokens=16384)
     p.add_argument("--prompts", type=int, default=4, help="requests per workload and run")
     p.add_argument("--batch", type=int, default=1, help="requests decoding together")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-draft-tokens", type=int, default=8,
                    help="speculative_num_draft_tokens of the NGRAM engine")
     p.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
-    p.add_argument("--max-total-tokens", type=int, default=16384)
-    p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=run_cli)
     return p

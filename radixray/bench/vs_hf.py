@@ -27,6 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from radixray.bench import (
+    ENGINE_FLAGS,
     add_engine_arguments,
     random_token_prompts,
     register,
@@ -162,10 +163,9 @@ def print_report(r: dict) -> None:
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    add_engine_arguments(p)
+    add_engine_arguments(p, ENGINE_FLAGS + ("device",))  # the device of both sides
     p.add_argument("--random-weights", action="store_true",
                    help="time a random-initialised model of --model's config.json (a folder)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N], for both sides")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)

@@ -39,7 +39,9 @@ import sys
 import tempfile
 import time
 
-from radixray.bench import save_json
+from radixray.bench import add_engine_arguments, save_json
+from radixray.cluster.weight_sources import DiskWeights, TensorWeights
+from radixray.engine.control import MEMORY_TAGS
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +90,9 @@ def _rental(engine) -> dict:
     """Pause + release (kv_cache, weights), then resume + continue: the colocated round trip."""
     t0 = time.perf_counter()
     engine.pause_generation("retract")
-    released = engine.release_memory_occupation(["kv_cache", "weights"])
+    released = engine.release_memory_occupation(list(MEMORY_TAGS))
     t1 = time.perf_counter()
-    engine.resume_memory_occupation(["kv_cache", "weights"])
+    engine.resume_memory_occupation(list(MEMORY_TAGS))
     engine.continue_generation()
     return {"release": t1 - t0, "resume": time.perf_counter() - t1, "bytes": released["bytes"]}
 
@@ -190,11 +192,11 @@ def run_fleet(args) -> dict:
                 for _ in range(args.repeats):
                     t0 = time.perf_counter()
                     if kind == "tensor":
-                        source = {"kind": "tensor", "shared": shared.write(named)}
+                        source = TensorWeights(shared=shared.write(named))
                     elif kind == "object-store":
-                        source = {"kind": "tensor", "payload": [ray.put(to_payload(named))]}
+                        source = TensorWeights(payload=ray.put(to_payload(named)))
                     else:
-                        source = {"kind": "disk", "path": path}
+                        source = DiskWeights(path)
                     put = time.perf_counter() - t0
                     out = ray.get(controller.update_weights.remote(source))
                     samples.append({"total": time.perf_counter() - t0, "put": put,
@@ -234,12 +236,11 @@ def _print(results: dict) -> None:
 
 def add_parser(bench_subparsers) -> None:
     p = bench_subparsers.add_parser("weight-update", help="weight update time per path and phase")
-    p.add_argument("--model", default="default")
+    add_engine_arguments(p, ("model", "quantization", "max_total_tokens"),
+                         max_total_tokens=8192)
     p.add_argument("--paths", default=",".join(PATHS),
                    type=lambda s: [x for x in s.split(",") if x])
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--quantization", default=None, choices=[None, "w8a8_int8"])
-    p.add_argument("--max-total-tokens", type=int, default=8192)
     p.add_argument("--fleet", type=int, default=0,
                    help="run through a local Ray fleet of this many workers (tensor, disk)")
     p.add_argument("--output", default=None, help="write the results as JSON here")

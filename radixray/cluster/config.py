@@ -86,49 +86,65 @@ class ServerSection(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
-    route_prefix: str = "/"
-    # where HTTP enters a Ray instance `radixray serve` starts itself (see serve/ingress_mode.py):
-    # direct (into the ingress replica), proxy (through Serve's proxy actor), auto (direct for
-    # one ingress replica)
-    ingress: Literal["auto", "direct", "proxy"] = "auto"
-    served_model_name: str | None = None  # default: "default" or the model folder's name
-    ingress_replicas: int = Field(1, ge=1)
-    ingress_num_cpus: float = Field(0.0, ge=0)
-    worker_num_cpus: float = Field(1.0, ge=0)
-    worker_num_gpus: float = Field(0.0, ge=0)
-    enable_cache_report: bool = True  # usage.prompt_tokens_details.cached_tokens in OpenAI replies
-    health_generates: bool = False  # /health runs a one-token generation like /health_generate
-    health_check_timeout_s: float = Field(20.0, gt=0)
-    warmup: bool = True
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    # niceness the EngineWorker gives its threads (Ray starts workers at 15); None keeps Ray's
-    worker_niceness: int | None = Field(0, ge=-20, le=19)
-    # prefill/decode workers: forward passes this much nicer than the KV transfer threads,
-    # which otherwise get half a core while both roles compute (docs/disaggregation.md)
-    pd_compute_nice_offset: int = Field(10, ge=0, le=19)
-    # goodput (radixray:goodput_requests_total): finished requests whose time to first token
-    # and time per output token are both within these targets
-    slo_ttft_s: float = Field(2.0, gt=0)
-    slo_tpot_s: float = Field(0.1, gt=0)
-    # keys (serve/auth.py): the API key guards the OpenAI and native APIs, the admin key every
-    # control route; unset, they are read from RADIXRAY_API_KEY / RADIXRAY_ADMIN_API_KEY.
-    # SecretStr: no log or repr shows them.
-    api_key: SecretStr | None = None
-    admin_api_key: SecretStr | None = None
-    open_routes: list[str] = Field(  # answered without any key
-        default_factory=lambda: list(DEFAULT_OPEN_ROUTES))
-    # limits on one request (serve/limits.py): a larger one is refused with a 4xx naming the
-    # field and the bound before any work starts
-    max_request_body_bytes: int = Field(32 * 2**20, ge=1024)
-    max_n: int = Field(64, ge=1, le=4096)  # choices per request
-    max_stop_sequences: int = Field(16, ge=0, le=1024)
-    max_top_logprobs: int = Field(20, ge=0, le=1024)
-    # backpressure: a worker with this many requests waiting for admission refuses new ones
-    # with 503 and Retry-After (after trying the fleet's other workers); None: no bound
-    max_queued_requests: int | None = Field(1024, ge=1)
-    queue_full_retry_after_s: int = Field(1, ge=0, le=3600)
+    host: str = Field("127.0.0.1", description="HTTP host")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port")
+    route_prefix: str = Field("/", description="path prefix of every route")
+    ingress: Literal["auto", "direct", "proxy"] = Field(
+        "auto", description="where HTTP enters a Ray instance `radixray serve` starts itself "
+        "(serve/ingress_mode.py): direct (into the ingress replica, no proxy hop), proxy "
+        "(through Serve's proxy actor), auto (direct for one ingress replica)")
+    served_model_name: str | None = Field(
+        None, description="the model id the APIs answer to (default: 'default' or the model "
+        "folder's name)")
+    ingress_replicas: int = Field(1, ge=1, description="Ray Serve replicas of the HTTP ingress")
+    ingress_num_cpus: float = Field(0.0, ge=0, description="CPUs each ingress replica reserves")
+    worker_num_cpus: float = Field(1.0, ge=0, description="CPUs each engine worker reserves")
+    worker_num_gpus: float = Field(0.0, ge=0, description="GPUs each engine worker reserves "
+                                   "(at least 1 for a CUDA engine)")
+    enable_cache_report: bool = Field(True, description="report usage.prompt_tokens_details."
+                                      "cached_tokens in OpenAI replies")
+    health_generates: bool = Field(False, description="/health runs a one-token generation, "
+                                   "like /health_generate")
+    health_check_timeout_s: float = Field(20.0, gt=0, description="the probe generation of "
+                                          "/health_generate fails past this many seconds")
+    warmup: bool = Field(True, description="each worker generates at start-up, before it takes "
+                         "traffic (a model that cannot serve one token fails to start)")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="log level of the ingress and the workers")
+    worker_niceness: int | None = Field(
+        0, ge=-20, le=19, description="niceness the engine worker gives its threads (Ray starts "
+        "workers at 15); null keeps Ray's")
+    pd_compute_nice_offset: int = Field(
+        10, ge=0, le=19, description="prefill/decode workers: forward passes this much nicer "
+        "than the KV transfer threads, which otherwise get half a core while both roles "
+        "compute (docs/disaggregation.md)")
+    slo_ttft_s: float = Field(2.0, gt=0, description="goodput (radixray:goodput_requests_total) "
+                              "counts finished requests whose time to first token is within this")
+    slo_tpot_s: float = Field(0.1, gt=0, description="... and whose time per output token is "
+                              "within this")
+    # SecretStr: no log or repr shows the keys
+    api_key: SecretStr | None = Field(
+        None, description="key the OpenAI and native APIs ask for (Authorization: Bearer; "
+        "serve/auth.py); default RADIXRAY_API_KEY, else open")
+    admin_api_key: SecretStr | None = Field(
+        None, description="key every control route asks for; default RADIXRAY_ADMIN_API_KEY, "
+        "else control routes answer on a loopback host only")
+    open_routes: list[str] = Field(default_factory=lambda: list(DEFAULT_OPEN_ROUTES),
+                                   description="routes answered without any key")
+    # Limits on one request (serve/limits.py): a larger one is refused with a 4xx naming the
+    # field and the bound before any work starts.
+    max_request_body_bytes: int = Field(32 * 2**20, ge=1024, description="largest request "
+                                        "body")
+    max_n: int = Field(64, ge=1, le=4096, description="most choices per request (n)")
+    max_stop_sequences: int = Field(16, ge=0, le=1024, description="most stop strings per "
+                                    "request")
+    max_top_logprobs: int = Field(20, ge=0, le=1024, description="most top logprobs per token")
+    max_queued_requests: int | None = Field(
+        1024, ge=1, description="backpressure: a worker with this many requests waiting for "
+        "admission refuses new ones with 503 and Retry-After (after the fleet's other workers "
+        "were tried); null: no bound")
+    queue_full_retry_after_s: int = Field(1, ge=0, le=3600, description="the Retry-After of "
+                                          "that 503, in seconds")
 
     @model_validator(mode="after")
     def _keys_from_the_environment(self) -> ServerSection:
@@ -147,26 +163,37 @@ class FleetSection(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    workers: int = Field(1, ge=0)  # unified workers (prefill and decode on each)
-    # prefill-decode disaggregation (engine/disaggregation/): these many prefill and decode
-    # workers instead of unified ones; both at least 1, and fleet.workers left out (or 0)
-    prefill_workers: int = Field(0, ge=0)
-    decode_workers: int = Field(0, ge=0)
-    # engine options that differ per role, over the engine section (e.g. a decode worker's
-    # max_running_requests, a prefill worker's chunked_prefill_size)
-    prefill_engine: dict = Field(default_factory=dict)
-    decode_engine: dict = Field(default_factory=dict)
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    health_check_interval_s: float = Field(1.0, gt=0)
-    health_check_timeout_s: float = Field(10.0, gt=0)  # a ping that long unanswered: unhealthy
-    restart_dead_workers: bool = True
-    max_restarts: int = Field(20, ge=0)  # per worker; past it the worker stays dead
-    # The controller outlives any one ingress replica; it stops the fleet once no ingress
-    # replica has sent a heartbeat for this long (the app was deleted or redeployed).
-    owner_timeout_s: float = Field(30.0, gt=0)
-    # Ray restarts the controller and the router actors after their process dies, this many
-    # times (-1: always); workers are restarted by the controller (max_restarts above).
-    actor_max_restarts: int = Field(-1, ge=-1)
+    workers: int = Field(1, ge=0, description="unified engine workers (prefill and decode on "
+                         "each), each with its own model copy and KV pool")
+    prefill_workers: int = Field(
+        0, ge=0, description="prefill-decode disaggregation (engine/disaggregation/): this many "
+        "prefill workers, with decode_workers, instead of unified ones (workers left out or 0)")
+    decode_workers: int = Field(0, ge=0, description="prefill-decode disaggregation: this many "
+                                "decode workers; the KV moves between them over Mooncake (TCP)")
+    prefill_engine: dict = Field(
+        default_factory=dict, description="engine options of the prefill workers, over the "
+        "engine section (e.g. chunked_prefill_size)")
+    decode_engine: dict = Field(
+        default_factory=dict, description="engine options of the decode workers, over the "
+        "engine section (e.g. max_running_requests)")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement-group strategy of the workers' bundles")
+    health_check_interval_s: float = Field(1.0, gt=0, description="how often the controller "
+                                           "pings each worker")
+    health_check_timeout_s: float = Field(10.0, gt=0, description="a ping unanswered this long "
+                                          "marks the worker unhealthy")
+    restart_dead_workers: bool = Field(True, description="the controller restarts a worker "
+                                       "whose process died")
+    max_restarts: int = Field(20, ge=0, description="restarts per worker; past it the worker "
+                              "stays dead")
+    owner_timeout_s: float = Field(
+        30.0, gt=0, description="the controller outlives any one ingress replica; it stops the "
+        "fleet once no ingress replica has sent a heartbeat for this long (the app was deleted "
+        "or redeployed)")
+    actor_max_restarts: int = Field(
+        -1, ge=-1, description="Ray restarts the controller and router actors after their "
+        "process dies this many times (-1: always); workers are restarted by the controller "
+        "(max_restarts)")
 
     @model_validator(mode="after")
     def _roles(self) -> FleetSection:
@@ -204,10 +231,6 @@ class FleetSection(BaseModel):
         if self.disaggregated:
             return ["prefill"] * self.prefill_workers + ["decode"] * self.decode_workers
         return ["unified"] * self.workers
-
-    @property
-    def total_workers(self) -> int:
-        return len(self.roles())
 
 
 class _RouterBase(_DataclassSection):

@@ -28,20 +28,35 @@ class RouterUnavailable(WorkerUnavailable):
 
 
 class RouterClient:
-    """``call(method, *args)`` on the router actor ``handle`` (anything with
-    ``handle.<method>.remote``), waiting through a restart; ``release`` without waiting."""
+    """The router actor ``handle`` (an ``actors/router.py`` Router, or anything with the same
+    ``pick``/``pick_pair``/``release`` remote methods) seen through typed calls: the picks
+    wait through a restart, ``release`` does not wait."""
 
     def __init__(self, handle, wait_s: float = ROUTER_WAIT_S, sleep=asyncio.sleep):
         self.handle, self.wait_s, self._sleep = handle, wait_s, sleep
         self.waits = 0  # calls that met the router down and waited
 
-    async def call(self, method: str, *args):
-        """The method's result; its own exceptions unwrapped (NoWorkerAvailable, ...);
+    async def pick(self, text: str, session_id: str | None = None, exclude: list[str] = (),
+                   retry: bool = False) -> tuple[str, str]:
+        """(worker id, reason) for one request, none of ``exclude``; ``retry`` marks a second
+        or later attempt. Raises NoWorkerAvailable, or RouterUnavailable (see the module)."""
+        return await self._wait_through_restart(
+            lambda: self.handle.pick.remote(text, session_id, list(exclude), retry))
+
+    async def pick_pair(self, text: str, session_id: str | None = None,
+                        exclude: list[str] = (), retry: bool = False) -> tuple[str, str, str]:
+        """(prefill worker, decode worker, reason) for one disaggregated request; raises as
+        :meth:`pick` does."""
+        return await self._wait_through_restart(
+            lambda: self.handle.pick_pair.remote(text, session_id, list(exclude), retry))
+
+    async def _wait_through_restart(self, send):
+        """``await send()``; its own exceptions unwrapped (NoWorkerAvailable, ...);
         RouterUnavailable when the actor stayed unreachable for ``wait_s``."""
         deadline, sleep, waited = time.monotonic() + self.wait_s, FIRST_SLEEP_S, False
         while True:
             try:
-                return await getattr(self.handle, method).remote(*args)
+                return await send()
             except Exception as exc:
                 if not actor_unreachable(exc):
                     raise unwrap_ray_error(exc) from None
@@ -57,6 +72,8 @@ class RouterClient:
             sleep = min(sleep * 2, MAX_SLEEP_S)
 
     def release(self, worker: str, ok: bool | None) -> None:
+        """Return ``worker``'s load slot (``ok``: whether the request succeeded; None: it was
+        not the worker's fault); fire-and-forget."""
         try:
             self.handle.release.remote(worker, ok)
         except Exception:  # noqa: BLE001 - a restarted router holds no load to release

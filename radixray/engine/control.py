@@ -26,7 +26,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from radixray.engine.messages import DEFAULT_GROUP
 
@@ -35,6 +35,21 @@ if TYPE_CHECKING:
 
 LOOP_TIMEOUT_S = 60.0  # a scheduler-thread verb that waits longer: the loop is stuck
 LONG_LOOP_TIMEOUT_S = 600.0  # verbs that move weights or the KV pool
+
+# The closed sets of the control verbs' arguments, declared once for every layer: pause
+# modes (engine/sched/pause.py) and memory tags (engine/mem_cache/memory_saver.py). The
+# HTTP protocol, the fleet's weight update and the RL config check their input against
+# these; this module imports nothing heavy, so the ingress and the configs may use it.
+PAUSE_MODES = ("abort", "retract", "in_place")
+MEMORY_TAGS = ("kv_cache", "weights")
+# A weight update stages the new weights by reading the serving ones, so only the KV pool
+# may be released while it runs (the freed pool makes room for the staged copy).
+RELEASABLE_DURING_UPDATE = ("kv_cache",)
+
+# The same sets as types, for pydantic schemas (``Literal[("a", "b")]`` is ``Literal["a", "b"]``)
+PauseMode = Literal[PAUSE_MODES]
+MemoryTag = Literal[MEMORY_TAGS]
+ReleasableDuringUpdate = Literal[RELEASABLE_DURING_UPDATE]
 
 
 def scheduler_verb(timeout: float = LOOP_TIMEOUT_S):
@@ -239,41 +254,6 @@ class EngineControl(Protocol):
         """The version of the weights serving now."""
 
 
-class FleetControl(Protocol):
-    """The verbs a controller applies to every live worker (actors/fleet_ops.py). Results
-    are keyed by worker id; a worker's error is its entry (``{"error": ...}``). A fleet
-    weight update is one verb (``update_weights``) that runs the engine's steps on every
-    worker, all or none."""
-
-    async def pause_generation(self, mode: str) -> dict: ...
-
-    async def continue_generation(self) -> dict: ...
-
-    async def release_memory_occupation(self, tags: list[str] | None = None) -> dict: ...
-
-    async def resume_memory_occupation(self, tags: list[str] | None = None) -> dict: ...
-
-    async def flush_cache(self) -> dict: ...
-
-    async def rebalance_experts(self) -> dict: ...
-
-    async def check_kv_conservation(self) -> dict: ...
-
-    async def get_weight_version(self) -> dict: ...
-
-    async def init_weights_update_group(self, master_address: str, master_port: int,
-                                        world_size: int, group_name: str = DEFAULT_GROUP,
-                                        backend: str = "gloo",
-                                        timeout_s: float = 600.0) -> dict: ...
-
-    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> dict: ...
-
-    async def update_weights(self, source: dict, weight_version: int | None = None,
-                             pause_mode: str | None = "retract",
-                             release_memory: list[str] = (), keep_paused: bool = False
-                             ) -> dict: ...
-
-
 def verbs_of(protocol: type) -> list[str]:
     """The verb names a protocol declares, in declaration order."""
     return [name for name in vars(protocol)
@@ -281,7 +261,6 @@ def verbs_of(protocol: type) -> list[str]:
 
 
 CONTROL_VERBS = verbs_of(EngineControl)
-FLEET_VERBS = verbs_of(FleetControl)
 # Engine verbs a fleet does not apply one by one: a fleet update drives the weight steps
 # itself (``update_weights``), requests are aborted where they run, snapshots are read per
 # worker (``load``), and faults are attached per engine by tests.
@@ -291,5 +270,3 @@ ENGINE_ONLY_VERBS = frozenset({
     "update_weights_from_distributed", "prepare_weight_update", "commit_weight_update",
     "rollback_weight_update", "finish_weight_update", "end_weight_update",
     "abort_weight_update"})
-# Fleet verbs that are not one engine verb applied to every worker.
-FLEET_ONLY_VERBS = frozenset({"update_weights"})

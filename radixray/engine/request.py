@@ -71,7 +71,7 @@ class Req:
     cache_locked_len: int = 0
     last_node: object | None = None
     # the weight version the KV so far was computed under (set at admission); KV of an
-    # older version is never shared through the prefix cache (engine/weights.py)
+    # older version is never shared through the prefix cache (engine/mem_cache/kv_manager.py)
     kv_version: int = 0
     # length of this step's new tokens (set when scheduled)
     extend_len: int = 0

@@ -4,16 +4,27 @@ Every check raises ``ValueError`` naming the field and its bound before the
 request is scheduled, so a bad request changes nothing in the engine. Numbers
 must be finite; values that are legal here but not representable in float32
 (a ``top_p`` of 5e-324) are clamped by the sampler, never rejected there.
+
+The numeric bounds are declared once, on the fields (:func:`bounds` reads them): the
+HTTP protocol (serve/protocol.py) takes its bounds from there.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import typing
 from dataclasses import dataclass, field, fields
 
 _GREEDY_EPS = 1e-6
 MAX_SEED = 2**64 - 1  # torch generators take an unsigned 64-bit seed
+_BOUND_KEYS = ("ge", "gt", "le")
+
+
+def _bounded(default, *, ge=None, gt=None, le=None, unit: str = ""):
+    """A field with inclusive (``ge``, ``le``) or exclusive (``gt``) bounds; ``unit`` says
+    in words why an upper bound is what it is (for the error message)."""
+    return field(default=default, metadata={"ge": ge, "gt": gt, "le": le, "unit": unit})
 
 
 @dataclass
@@ -25,21 +36,21 @@ class SamplingParams:
     ``return_unscaled_logprob`` is set (greedy requests are always unscaled).
     """
 
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
+    max_new_tokens: int = _bounded(128, ge=0)
+    temperature: float = _bounded(1.0, ge=0)
+    top_p: float = _bounded(1.0, gt=0, le=1)
+    top_k: int = _bounded(-1, ge=-1)  # and not 0
+    min_p: float = _bounded(0.0, ge=0, le=1)
+    repetition_penalty: float = _bounded(1.0, gt=0)
+    presence_penalty: float = _bounded(0.0, ge=-2, le=2)
+    frequency_penalty: float = _bounded(0.0, ge=-2, le=2)
+    seed: int | None = _bounded(None, ge=0, le=MAX_SEED, unit="64 bits")
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     return_logprob: bool = False
-    top_logprobs_num: int = 0
+    top_logprobs_num: int = _bounded(0, ge=0)
     return_unscaled_logprob: bool = False
     # MoE models: report the experts each computed token was routed to (meta_info
     # routed_experts; which tokens: engine/models/routed_experts.py)
@@ -73,30 +84,13 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS or self.top_k == 1
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the first field outside its bound."""
-        _check_int("max_new_tokens", self.max_new_tokens, lo=0)
-        _check_num("temperature", self.temperature, lo=0.0, bound="temperature must be >= 0")
-        _check_num("top_p", self.top_p, bound="top_p must be in (0, 1]")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _check_int("top_k", self.top_k, lo=-1)
+        """Raise ValueError naming the first field outside its type or bound."""
+        for f in _BOUNDED:
+            value = getattr(self, f.name)
+            if value is not None:
+                _check_bounds(f, value)
         if self.top_k == 0:
             raise ValueError("top_k must be -1 (disabled) or >= 1, got 0")
-        _check_num("min_p", self.min_p, bound="min_p must be in [0, 1]")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        _check_num("repetition_penalty", self.repetition_penalty, bound="repetition_penalty must be > 0")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _check_num(name, value, bound=f"{name} must be in [-2, 2]")
-            if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        if self.seed is not None:
-            _check_int("seed", self.seed, lo=0)
-            if self.seed > MAX_SEED:
-                raise ValueError(f"seed must be <= {MAX_SEED} (64 bits), got {self.seed}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(s == "" for s in self.stop):
@@ -113,7 +107,6 @@ class SamplingParams:
                      "return_routed_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        _check_int("top_logprobs_num", self.top_logprobs_num, lo=0)
         if vocab_size is not None and self.top_logprobs_num > vocab_size:
             raise ValueError(f"top_logprobs_num must be <= vocab size {vocab_size}, got {self.top_logprobs_num}")
         if self.json_schema is not None or self.regex is not None or self.ebnf is not None:
@@ -121,14 +114,32 @@ class SamplingParams:
             check_syntax(self)  # one constraint, and one xgrammar parses
 
 
-def _check_int(name: str, value, lo: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {value}")
+_BOUNDED = [f for f in fields(SamplingParams) if "unit" in f.metadata]
+_INTEGERS = {name for name, kind in typing.get_type_hints(SamplingParams).items()
+             if kind in (int, int | None)}
 
 
-def _check_num(name: str, value, lo: float | None = None, bound: str = "") -> None:
+def bounds(name: str) -> dict:
+    """The bounds of field ``name`` as pydantic's ``Field`` takes them (``ge``, ``gt``,
+    ``le``; only those the field has)."""
+    meta = next(f.metadata for f in _BOUNDED if f.name == name)
+    return {k: meta[k] for k in _BOUND_KEYS if meta[k] is not None}
+
+
+def _check_bounds(f, value) -> None:
+    """Integer fields: an int within each bound, named one at a time. Float fields: a
+    finite number within the range, named as an interval (``top_p must be in (0, 1]``)."""
+    name, m = f.name, f.metadata
+    lo, lo_open, hi = (m["gt"], True, m["le"]) if m["gt"] is not None else (m["ge"], False, m["le"])
+    if name in _INTEGERS:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        if lo is not None and value < lo:
+            raise ValueError(f"{name} must be >= {lo}, got {value}")
+        if hi is not None and value > hi:
+            unit = f" ({m['unit']})" if m["unit"] else ""
+            raise ValueError(f"{name} must be <= {hi}{unit}, got {value}")
+        return
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
         raise ValueError(f"{name} must be a number, got {value!r}")
     try:
@@ -137,5 +148,10 @@ def _check_num(name: str, value, lo: float | None = None, bound: str = "") -> No
         finite = False
     if not finite:
         raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if lo is not None and value < lo:
-        raise ValueError(f"{bound}, got {value}")
+    below = lo is not None and (value <= lo if lo_open else value < lo)
+    if below or (hi is not None and value > hi):
+        if hi is None:
+            shape = f"{'>' if lo_open else '>='} {lo}"
+        else:
+            shape = f"in {'(' if lo_open else '['}{lo}, {hi}]"
+        raise ValueError(f"{name} must be {shape}, got {value}")

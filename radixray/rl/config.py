@@ -1,24 +1,26 @@
 """The GRPO job's configuration: one pydantic model, read from YAML, errors naming the field.
 
 The ``fleet`` section is a serve configuration (:class:`~radixray.cluster.config.ServeConfig`:
-engine options, number of workers, router): the job starts that fleet on the Ray cluster,
-or joins it when an app with the same configuration already runs there (``radixray serve``
-started elsewhere), in which case user traffic and rollouts share the workers.
+engine options, number of workers, router), validated as one: the job starts that fleet on
+the Ray cluster, or joins it when an app with the same configuration already runs there
+(``radixray serve`` started elsewhere), in which case user traffic and rollouts share the
+workers. A problem inside it is reported as the serve config reports it, under ``invalid
+fleet section:``.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from radixray.cluster.config import (
     ConfigError,
     ServeConfig,
-    format_validation_error,
     merge,
     read_yaml_mapping,
 )
+from radixray.engine.control import PauseMode
 
 PLACEMENTS = ("colocated", "separate")
 
@@ -49,15 +51,39 @@ class GRPOConfig(BaseModel):
     deterministic: bool = Field(False, description="batch-invariant workers and an engine-exact "
                                 "trainer forward: rollout and train logprobs equal to the bit "
                                 "(CPU, float32)")
-    pause_mode: Literal["abort", "retract", "in_place"] = Field(
+    pause_mode: PauseMode = Field(
         "retract", description="what a weight update does to user requests on a shared fleet")
     rollout_priority: int = Field(-1, description="rollouts' scheduling priority (user "
                                   "requests default to 0; needs enable_priority_scheduling)")
     held_out_prompts: int = Field(32, ge=0, description="held-out problems scored greedily "
                                   "before and after training (0: skip)")
     seed: int = Field(0, ge=0)
-    fleet: dict = Field(default_factory=dict, description="a serve config (engine, fleet, "
-                        "router sections); engine.model defaults to ``model``")
+    fleet: ServeConfig = Field(default_factory=ServeConfig, description="the fleet the "
+                               "rollouts run on, as a serve config (engine, server, fleet, "
+                               "router sections); engine.model defaults to ``model`` and "
+                               "engine.deterministic to ``deterministic``")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fleet_defaults(cls, data):
+        """Fill the fleet's engine.model and engine.deterministic from the job's before the
+        fleet section is validated (its served model name and its engine checks use them)."""
+        if not isinstance(data, dict) or not isinstance(data.get("fleet", {}), dict):
+            return data  # a ServeConfig already, or a type error pydantic reports
+        fields = cls.model_fields
+        job = {"model": data.get("model", fields["model"].default),
+               "deterministic": data.get("deterministic", fields["deterministic"].default)}
+        return {**data, "fleet": merge({"engine": job}, data.get("fleet", {}))}
+
+    @model_validator(mode="after")
+    def _fleet_fits_the_job(self) -> GRPOConfig:
+        if self.deterministic and not self.fleet.engine.deterministic:
+            raise ValueError("deterministic: true needs a deterministic fleet, but "
+                             "fleet.engine.deterministic is false: drop it or set it true")
+        if self.fleet.fleet.disaggregated:
+            raise ValueError("fleet.fleet.prefill_workers: GRPO rollouts run on unified "
+                             "workers; set fleet.fleet.workers instead")
+        return self
 
     @field_validator("group_size")
     @classmethod
@@ -75,33 +101,32 @@ class GRPOConfig(BaseModel):
         return name
 
     def serve_config(self) -> ServeConfig:
-        """The fleet's serve configuration (``engine.model`` from ``model`` and
-        ``engine.deterministic`` from ``deterministic`` unless given; a fleet that is not
-        deterministic under a deterministic job is refused)."""
-        data = merge({"engine": {"model": self.model, "deterministic": self.deterministic}},
-                     self.fleet)
-        if self.deterministic and not data["engine"]["deterministic"]:
-            raise ConfigError("deterministic: true needs a deterministic fleet, but "
-                              "fleet.engine.deterministic is false: drop it or set it true")
-        try:
-            cfg = ServeConfig.parse(data)
-        except ConfigError as exc:
-            raise ConfigError(str(exc).replace("invalid config: ", "invalid fleet section: ")) \
-                from None
-        if cfg.fleet.disaggregated:
-            raise ConfigError("fleet.fleet.prefill_workers: GRPO rollouts run on unified "
-                              "workers; set fleet.fleet.workers instead")
-        return cfg
+        """The fleet's serve configuration (the ``fleet`` section)."""
+        return self.fleet
 
     @classmethod
     def parse(cls, data: dict | None) -> GRPOConfig:
+        """Validate a dict (e.g. from YAML); raise ConfigError naming the fields."""
         try:
-            cfg = cls.model_validate(data or {})
+            return cls.model_validate(data or {})
         except ValidationError as exc:
-            raise ConfigError(format_validation_error(exc, "GRPO config")) from None
-        cfg.serve_config()  # the fleet section is checked now, not when the job starts it
-        return cfg
+            raise ConfigError(_describe(exc)) from None
 
     @classmethod
     def load(cls, path: str, overrides: dict | None = None) -> GRPOConfig:
         return cls.parse(merge(read_yaml_mapping(path), overrides or {}))
+
+
+def _describe(exc: ValidationError) -> str:
+    """One ``field: message`` per problem; those inside the fleet section are named as the
+    serve config names them, under ``invalid fleet section:``."""
+    job, fleet = [], []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        if loc[:1] == ["fleet"]:
+            fleet.append(f"{'.'.join(loc[1:]) or 'config'}: {err['msg']}")
+        else:
+            job.append(f"{'.'.join(loc)}: {err['msg']}" if loc else err["msg"])
+    parts = [f"invalid {what}: " + "; ".join(lines)
+             for what, lines in (("GRPO config", job), ("fleet section", fleet)) if lines]
+    return "; ".join(parts)

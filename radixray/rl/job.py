@@ -27,6 +27,8 @@ import socket
 import time
 import uuid
 
+from radixray.cluster.weight_sources import DistributedWeights, TensorWeights
+from radixray.engine.control import MEMORY_TAGS
 from radixray.rl.config import GRPOConfig
 from radixray.rl.placement import JobPlacement, trainer_memory_bytes
 from radixray.rl.rollout import Group, RolloutManager
@@ -126,7 +128,7 @@ class Job:
         if self.cfg.placement == "colocated":
             _check(ray.get(self.controller.pause_generation.remote(self.cfg.pause_mode)), "pause")
             _check(ray.get(self.controller.release_memory_occupation.remote(
-                ["kv_cache", "weights"])), "release_memory_occupation")
+                list(MEMORY_TAGS))), "release_memory_occupation")
         try:
             return ray.get(self.trainer.train_step.remote(samples))
         except BaseException:
@@ -163,8 +165,8 @@ class Job:
         t1 = time.perf_counter()
         handle = ray.get(self.trainer.write_shared.remote())
         t2 = time.perf_counter()
-        source = {"kind": "tensor", "shared": handle}
-        result = ray.get(self.controller.update_weights.remote(source, None, cfg.pause_mode))
+        result = ray.get(self.controller.update_weights.remote(TensorWeights(shared=handle), None,
+                                                               cfg.pause_mode))
         result["phases"] = {"resume_memory": t1 - t0, "trainer_write": t2 - t1,
                             **result["phases"]}
         return result
@@ -172,7 +174,7 @@ class Job:
     def _sync_separate(self) -> dict:
         import ray
         names, dtypes, shapes = self.spec
-        source = {"kind": "distributed", "names": names, "dtypes": dtypes, "shapes": shapes}
+        source = DistributedWeights(names, dtypes, shapes)
         update = self.controller.update_weights.remote(source, None, self.cfg.pause_mode)
         try:
             ray.get(self.trainer.broadcast.remote())

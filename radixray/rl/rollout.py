@@ -85,7 +85,7 @@ class RolloutManager:
         excluded: list[str] = []
         errors: list[str] = []
         for attempt in range(self.max_attempts):
-            worker, _ = await self.router.call("pick", text, None, excluded, attempt > 0)
+            worker, _ = await self.router.pick(text, None, excluded, attempt > 0)
             try:
                 entry = await self.controller.worker.remote(worker)
                 outs = await entry.handle.generate_group.remote(ids, n, per_sample, self.priority)

@@ -174,8 +174,8 @@ class Dispatcher:
 
     async def _pick(self, route_text, session_id, tried, retry: bool, last) -> str:
         try:
-            worker, _reason = await self.router.call("pick", route_text, session_id,
-                                                     sorted(tried), retry)
+            worker, _reason = await self.router.pick(route_text, session_id, sorted(tried),
+                                                     retry)
             return worker
         except NoWorkerAvailable as exc:
             err = exc

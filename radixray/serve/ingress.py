@@ -31,6 +31,7 @@ from ray import serve
 
 from radixray.cluster.config import ServeConfig
 from radixray.cluster.errors import actor_unreachable
+from radixray.cluster.weight_sources import DiskWeights, DistributedWeights, WeightSource
 from radixray.serve import native_serving, openai_serving
 from radixray.serve.api_error import ApiError, api_error_from
 from radixray.serve.auth import AuthMiddleware, AuthPolicy, install_policy
@@ -330,8 +331,7 @@ class Ingress:
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(self, body: UpdateWeightsFromDisk):
         """One all-or-none update of every worker from a checkpoint on disk."""
-        source = {"kind": "disk", "path": body.model_path}
-        return await self._update(source, body)
+        return await self._update(DiskWeights(body.model_path), body)
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(self, body: InitWeightsUpdateGroup):
@@ -347,11 +347,10 @@ class Ingress:
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(self, body: UpdateWeightsFromDistributed):
-        source = {"kind": "distributed", "names": body.names, "dtypes": body.dtypes,
-                  "shapes": body.shapes, "group_name": body.group_name}
+        source = DistributedWeights(body.names, body.dtypes, body.shapes, body.group_name)
         return await self._update(source, body)
 
-    async def _update(self, source: dict, body) -> dict:
+    async def _update(self, source: WeightSource, body) -> dict:
         result = await self._admin(self.controller.update_weights.remote(
             source, body.weight_version, body.pause_mode, body.release_memory, body.keep_paused))
         return {"success": True, "message": f"weights updated to version "

@@ -67,8 +67,8 @@ class PDDispatcher(Dispatcher):
         """Pick a pair, submit to both; raises after PD_ATTEMPTS (WorkerUnavailable)."""
         while len(errors) < PD_ATTEMPTS:
             try:
-                p, d, _ = await self.router.call("pick_pair", route_text, session_id,
-                                                 sorted(tried), bool(errors))
+                p, d, _ = await self.router.pick_pair(route_text, session_id, sorted(tried),
+                                                      bool(errors))
             except NoWorkerAvailable as err:
                 if not errors and await self._fleet_draining():
                     raise WorkerDraining("the fleet is draining and takes no new requests") \

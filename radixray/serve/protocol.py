@@ -1,7 +1,9 @@
 """Request schemas of the HTTP APIs (OpenAI-compatible and native) and their sampling params.
 
 Schema errors (wrong types, out-of-range values, unknown roles) become HTTP 400
-with an OpenAI-style error object; see ``radixray.cluster.errors_http``.
+with an OpenAI-style error object; see ``radixray.cluster.errors_http``. A field that is
+also an engine sampling parameter takes its bounds from the engine's declaration
+(:class:`radixray.engine.sampling.SamplingParams`), so the two never disagree.
 """
 
 from __future__ import annotations
@@ -12,10 +14,14 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from radixray.cluster.routing import PolicyName
+from radixray.engine.control import MemoryTag, PauseMode, ReleasableDuringUpdate
 from radixray.engine.grammar.spec import JSON_OBJECT_SCHEMA
+from radixray.engine.sampling import bounds
 
-PauseMode = Literal["abort", "retract", "in_place"]
-MemoryTag = Literal["kv_cache", "weights"]
+
+def _engine_bounded(name: str, default=None):
+    """A request field checked against the bounds of the engine's sampling param ``name``."""
+    return Field(default, **bounds(name))
 
 
 class StreamOptions(BaseModel):
@@ -59,15 +65,16 @@ class SamplingFields(BaseModel):
 
     model: str | None = None
     n: int = Field(1, ge=1)  # bounded by server.max_n (serve/limits.py)
+    # OpenAI asks for at least one token (the engine's max_new_tokens may be 0)
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = None
-    min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=0)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)
+    temperature: float | None = _engine_bounded("temperature")
+    top_p: float | None = _engine_bounded("top_p")
+    top_k: int | None = _engine_bounded("top_k")
+    min_p: float | None = _engine_bounded("min_p")
+    seed: int | None = _engine_bounded("seed")
+    presence_penalty: float | None = _engine_bounded("presence_penalty")
+    frequency_penalty: float | None = _engine_bounded("frequency_penalty")
+    repetition_penalty: float | None = _engine_bounded("repetition_penalty")
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -102,7 +109,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0)  # bounded by server.max_top_logprobs
+    logprobs: int | None = _engine_bounded("top_logprobs_num")  # and by server.max_top_logprobs
     echo: bool = False
     suffix: str | None = None
 
@@ -130,7 +137,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)  # bounded by server.max_top_logprobs
+    top_logprobs: int | None = _engine_bounded("top_logprobs_num")  # and server.max_top_logprobs
     max_completion_tokens: int | None = Field(None, ge=1)
 
 
@@ -144,7 +151,7 @@ class GenerateRequest(BaseModel):
     sampling_params: dict | None = None
     stream: bool = False
     return_logprob: bool = False
-    top_logprobs_num: int = Field(0, ge=0)  # bounded by server.max_top_logprobs
+    top_logprobs_num: int = _engine_bounded("top_logprobs_num", 0)  # and server.max_top_logprobs
     # MoE models: meta_info.routed_experts (as SGLang's field; the same as the sampling param)
     return_routed_experts: bool = False
     rid: str | None = None
@@ -174,7 +181,7 @@ class _FleetUpdate(BaseModel):
 
     weight_version: int | None = Field(None, ge=1, description="default: the current one + 1")
     pause_mode: PauseMode | None = "retract"
-    release_memory: list[Literal["kv_cache"]] = []
+    release_memory: list[ReleasableDuringUpdate] = []
     keep_paused: bool = False
 
 

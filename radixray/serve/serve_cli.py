@@ -1,8 +1,9 @@
 """``radixray serve``: start (or join) Ray, deploy the app, wait for SIGTERM, drain, exit 0.
 
 Every engine option is a flag (derived from EngineConfig), plus the common server, fleet
-and router settings; everything else comes from ``--config`` YAML (validated by
-ServeConfig). A flag given on the command line overrides the file.
+and router settings (derived from their ServeConfig sections: :data:`SECTION_FLAGS` names
+which); everything else comes from ``--config`` YAML (validated by ServeConfig). A flag
+given on the command line overrides the file.
 """
 
 from __future__ import annotations
@@ -13,52 +14,59 @@ import os
 import signal
 import threading
 import time
+import types
+import typing
 
-from radixray.cluster.routing import POLICIES
+from pydantic import SecretStr
+
 from radixray.engine import options
 from radixray.engine.config import EngineConfig
 
 logger = logging.getLogger("radixray.serve")
 
-# flag -> (section, field) for the flags that are not engine options (those are derived from
-# EngineConfig: every option is a flag of the same name, see engine/options.py)
-_FLAG_FIELDS = {
-    "host": ("server", "host"), "port": ("server", "port"),
-    "served_model_name": ("server", "served_model_name"),
-    "ingress_replicas": ("server", "ingress_replicas"), "ingress": ("server", "ingress"),
-    "log_level": ("server", "log_level"),
-    "workers": ("fleet", "workers"), "router_policy": ("router", "policy"),
-    "prefill_workers": ("fleet", "prefill_workers"), "decode_workers": ("fleet", "decode_workers"),
-    "api_key": ("server", "api_key"), "admin_api_key": ("server", "admin_api_key"),
-}
+# The config fields that are also flags, as (section, field, flag prefix); the flag is
+# --<prefix><field> and takes its type, choices and help from the field's declaration in
+# cluster/config.py. The engine options are all flags, derived from EngineConfig.
+SECTION_FLAGS = (
+    ("server", "host", ""), ("server", "port", ""), ("server", "served_model_name", ""),
+    ("server", "ingress_replicas", ""), ("server", "ingress", ""), ("server", "log_level", ""),
+    ("fleet", "workers", ""), ("fleet", "prefill_workers", ""), ("fleet", "decode_workers", ""),
+    ("router", "policy", "router_"),
+    ("server", "api_key", ""), ("server", "admin_api_key", ""),
+)
+
+
+def _section_fields(section: str) -> dict:
+    from radixray.cluster.config import ServeConfig
+    return ServeConfig.model_fields[section].annotation.model_fields
+
+
+def add_section_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per :data:`SECTION_FLAGS` entry. Unset flags stay None, so the config file's
+    value (or the field's default, shown in the help) stands."""
+    for section, name, prefix in SECTION_FLAGS:
+        info = _section_fields(section)[name]
+        kind = info.annotation
+        if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        choices = list(typing.get_args(kind)) if typing.get_origin(kind) is typing.Literal \
+            else None
+        kind = str if kind is SecretStr or choices else kind
+        help_text = info.description or ""
+        if info.default is not None and info.default_factory is None:
+            help_text += f" (default: {info.default})"
+        flag = "--" + (prefix + name).replace("_", "-")
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            parser.add_argument(flag, type=kind, choices=choices, help=help_text)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI + native APIs) on Ray Serve")
     p.add_argument("--config", help="YAML file (see configs/serve/default.yaml); flags override it")
     options.add_flags(p, EngineConfig, with_defaults=False)
-    p.add_argument("--host", help="HTTP host (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="HTTP port (default 8000)")
-    p.add_argument("--served-model-name")
-    p.add_argument("--ingress-replicas", type=int)
-    p.add_argument("--ingress", choices=["auto", "direct", "proxy"],
-                   help="where HTTP enters a local Ray: direct (into the ingress replica, "
-                   "no proxy hop), proxy (Serve's proxy actor), auto (default: direct for one "
-                   "ingress replica)")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--workers", type=int, help="engine workers (default 1), each with its own "
-                   "model copy and KV pool")
-    p.add_argument("--prefill-workers", type=int, help="prefill-decode disaggregation: this "
-                   "many prefill workers (with --decode-workers; instead of --workers)")
-    p.add_argument("--decode-workers", type=int, help="prefill-decode disaggregation: this "
-                   "many decode workers; the KV moves between them over Mooncake (TCP)")
-    p.add_argument("--router-policy",
-                   choices=POLICIES,
-                   help="how requests are spread over the workers (default cache_aware)")
-    p.add_argument("--api-key", help="key the OpenAI and native APIs ask for (Authorization: "
-                   "Bearer); default RADIXRAY_API_KEY, else open")
-    p.add_argument("--admin-api-key", help="key every control route asks for; default "
-                   "RADIXRAY_ADMIN_API_KEY, else control routes answer on a loopback host only")
+    add_section_flags(p)
     p.add_argument("--address", help="join a running Ray cluster (default: start a local one)")
     p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray instance")
     p.add_argument("--drain-timeout", type=float, default=None,
@@ -72,10 +80,10 @@ def config_from_args(args):
     engine = options.from_flags(args, EngineConfig)
     if engine:
         overrides["engine"] = engine
-    for flag, (section, field) in _FLAG_FIELDS.items():
-        value = getattr(args, flag, None)
+    for section, name, prefix in SECTION_FLAGS:
+        value = getattr(args, prefix + name, None)
         if value is not None:
-            overrides.setdefault(section, {})[field] = value
+            overrides.setdefault(section, {})[name] = value
     if args.config:
         return ServeConfig.load(args.config, overrides)
     return ServeConfig.parse(overrides)

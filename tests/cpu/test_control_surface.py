@@ -11,13 +11,11 @@ import pytest
 
 from radixray.actors.controller import Controller
 from radixray.actors.engine_worker import EngineWorker
+from radixray.cluster.fleet_control import FLEET_ONLY_VERBS, FLEET_VERBS, FleetControl
 from radixray.engine.control import (
     CONTROL_VERBS,
     ENGINE_ONLY_VERBS,
-    FLEET_ONLY_VERBS,
-    FLEET_VERBS,
     EngineControl,
-    FleetControl,
 )
 from radixray.engine.engine import Engine
 from radixray.engine.faults import FailWeightUpdate, FaultInjector

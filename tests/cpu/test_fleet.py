@@ -234,6 +234,7 @@ def test_fleet_wide_weight_updates_are_all_or_none(fleet, tiny_llama_dir, tmp_pa
     from weight_helpers import perturb
 
     from radixray.cluster.shared_weights import SharedWeightsWriter
+    from radixray.cluster.weight_sources import TensorWeights
     controller = _controller()
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     prompts = random_prompts(hf.config.vocab_size)[3:5]
@@ -241,8 +242,7 @@ def test_fleet_wide_weight_updates_are_all_or_none(fleet, tiny_llama_dir, tmp_pa
 
     named = perturb(hf, seed=21)
     shared = SharedWeightsWriter(named, directory=str(tmp_path))
-    result = ray.get(controller.update_weights.remote({"kind": "tensor",
-                                                       "shared": shared.write(named)}))
+    result = ray.get(controller.update_weights.remote(TensorWeights(shared=shared.write(named))))
     shared.close()
     assert result["weight_version"] == 1 and result["workers"] == ["worker-0", "worker-1"]
     assert set(result["phases"]) == {"pause", "transfer", "load", "commit", "resume"}

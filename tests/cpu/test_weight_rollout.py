@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from radixray.actors.weight_rollout import FleetUpdateFailed, FleetWeights, run_fleet_update
+from radixray.cluster.weight_sources import DiskWeights, TensorWeights
 
 
 class FakeWorker:
@@ -47,7 +48,7 @@ class Rec:
     weight_version: int = 0
 
 
-DISK = {"kind": "disk", "path": "/ckpt"}
+DISK = DiskWeights("/ckpt")
 
 
 def _run(coro):
@@ -69,8 +70,7 @@ def test_a_commit_failing_on_one_worker_rolls_the_others_back_and_continues_ever
 
 
 def _source():
-    from radixray.actors.weight_rollout import WeightSource
-    return WeightSource(**DISK)
+    return DISK
 
 
 def test_a_staging_failure_drops_every_session_and_frees_nothing_twice():
@@ -111,7 +111,7 @@ def test_a_restarted_worker_replays_a_disk_update_or_stays_stale_after_a_tensor_
         "begin_weight_update", "update_weights_from_disk", "end_weight_update"]
     with pytest.raises(ValueError, match="greater than the current weight version 1"):
         _run(weights.update(recs, DISK, 1, "retract", [], False))
-    _run(weights.update(recs, {"kind": "tensor", "payload": ["ref"]}, 5, "retract", [], False))
+    _run(weights.update(recs, TensorWeights(payload="ref"), 5, "retract", [], False))
     late = Rec("d", FakeWorker("d"))
     reason = _run(weights.catch_up(late))
     assert "fleet is at 5" in reason and weights.stale == {"d"} and late.weight_version == 0

@@ -85,7 +85,7 @@ class DeepEPExperts(ExpertShard):
                  num_max_dispatch_tokens_per_rank: int = 128):
         super().__init__(num_physical, rank, world_size, hidden_size, intermediate_size, kernels)
         self._ep = _deep_ep()
-        self.group = group  # also moves expert weights in a rebalance (models/expert_moves.py)
+        self.group = group  # also moves expert weights in a rebalance (engine/ep/expert_moves.py)
         self.low_latency = low_latency
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
         self.buffer = _shared_buffer(self._ep, group or dist.group.WORLD, world_size,

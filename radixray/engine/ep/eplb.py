@@ -24,7 +24,7 @@ loops then agree to run it (``ExpertParallelGroup.agree``) and call
 :meth:`ExpertBalancer.rebalance_group` at the same point on every rank, between two
 forward passes. There the ranks or together whether any is in a weight-update session
 (then none rebalances), sum their windows into the group's load, plan the same placement
-from it, and move the expert weights between ranks (``models/expert_moves.py``) before
+from it, and move the expert weights between ranks (``engine/ep/expert_moves.py``) before
 routing by it.
 
 Costs: reading the counters each pass is one small device-to-host copy (on a GPU it
@@ -81,7 +81,7 @@ class RebalanceDeferred(RuntimeError):
 @dataclass(frozen=True)
 class RebalanceReport:
     """One rebalance. Balancedness (mean over max of the per-rank load, averaged over MoE
-    layers; each slot is a rank at ep_size 1, see ``models/expert_map.py``) is measured
+    layers; each slot is a rank at ep_size 1, see ``engine/ep/expert_map.py``) is measured
     on the same load, the window's, under the old and the new placement."""
 
     trigger: str  # "periodic" or "request"

@@ -5,7 +5,7 @@ by a torch.distributed process group (gloo on CPU, NCCL on GPU). Attention is
 data-parallel: each rank has its own requests, KV pool and radix cache and schedules
 them itself. The MoE layers are shared: each rank holds a share of the experts, and a
 forward pass exchanges tokens with every other rank in each MoE layer
-(``models/ep_dispatch.py``). So the ranks must run their forward passes together, one
+(``engine/ep/dispatch.py``). So the ranks must run their forward passes together, one
 for one:
 
 - before every scheduler step the ranks agree whether any of them has work, whether

@@ -52,11 +52,11 @@ from typing import IO
 
 import torch
 
+from radixray.engine.control import MEMORY_TAGS
 from radixray.engine.mem_cache.hugepages import advise_huge_pages
 
 logger = logging.getLogger(__name__)
 
-MEMORY_TAGS = ("kv_cache", "weights")
 _IO_CHUNK = 1 << 30  # bytes per pwrite/preadv call (Linux moves at most ~2 GiB per call)
 
 

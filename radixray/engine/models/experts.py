@@ -77,7 +77,7 @@ class ExpertDispatcher(nn.Module, ABC):
 
     Parameters are named as transformers names them in memory: ``gate_up_proj``
     ``[slots, 2 * inter, H]`` (gate rows first) and ``down_proj`` ``[slots, H, inter]``,
-    so checkpoints load through ``stacked_shards`` (see ``weight_layout.py``). Every
+    so checkpoints load through ``stacked_shards`` (see ``engine/weights/layout.py``). Every
     parameter is stacked over the slots this process holds (dim 0, in slot order):
     moving experts between slots (EPLB) copies along that dimension.
     """

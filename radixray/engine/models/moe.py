@@ -215,7 +215,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         returns what moved on this rank. Scheduler thread, between forward passes, never
         during a weight-update session. Under expert parallelism every rank of the group
         calls it with the same ``new`` at the same point (weights cross between ranks:
-        ``models/expert_moves.py``). Every copy is read before any is written, so a
+        ``engine/ep/expert_moves.py``). Every copy is read before any is written, so a
         failure leaves the old placement and weights serving."""
         em = self.expert_map
         group = getattr(self.moe_blocks[0].experts, "group", None)

@@ -15,5 +15,5 @@ calls are still answered between (absent) steps. Both run on the scheduler threa
 
 from __future__ import annotations
 
-PAUSE_MODES = ("abort", "retract", "in_place")
+# The modes themselves are declared with the other control arguments: engine/control.py.
 ABORT_MESSAGE = "aborted by pause_generation(mode='abort')"

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from radixray.engine.config import EngineConfig
+from radixray.engine.control import PAUSE_MODES
 from radixray.engine.ep.group import IDLE_POLL_S
 from radixray.engine.executor.model_runner import ModelRunner
 from radixray.engine.executor.sampler import DETERMINISTIC_DEFAULT_SEED, Sampler
@@ -38,7 +39,7 @@ from radixray.engine.sched.failures import StepFailures
 from radixray.engine.sched.inbox import AbortCommand, CallInLoop, Inbox
 from radixray.engine.sched.output import OutputProcessor, ProcessedStep
 from radixray.engine.sched.overlap import OverlapDecoder
-from radixray.engine.sched.pause import ABORT_MESSAGE, PAUSE_MODES
+from radixray.engine.sched.pause import ABORT_MESSAGE
 from radixray.engine.sched.prefill import PrefillBuilder
 from radixray.engine.sched.queues import RequestQueues
 from radixray.engine.sched.stats import SchedulerStats, log_decode

@@ -86,10 +86,6 @@ class WeightUpdater:
 
     # ---- session -----------------------------------------------------------------------
     @property
-    def in_session(self) -> bool:
-        return self._stage is not None
-
-    @property
     def session_open(self) -> bool:
         """From ``begin`` until the session is finished, aborted or rolled back."""
         return self._stage is not None or self._undo is not None

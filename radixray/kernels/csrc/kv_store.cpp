@@ -3,7 +3,7 @@
 // V together. The same values as KVPool's torch path (to_pool_dtype, then index_copy_):
 // c10's casts (fp8 saturating at +-57,344 first), 8 lanes at a time in AVX2 integer code
 // that follows c10's bit recipes, the row tails through c10 itself. Reference and comparison:
-// radixray/engine/memory.py, tests/cpu/test_kv_cache_dtype.py.
+// radixray/engine/mem_cache/pool.py, tests/cpu/test_kv_cache_dtype.py.
 #include <torch/extension.h>
 #include <immintrin.h>
 #include <omp.h>
