@@ -25,9 +25,14 @@ from radixray.engine.faults import FailWeightUpdate, FaultInjector
 SHARED_NOT_CONTROL = {"pd_deliver", "pd_status", "pd_probe", "shutdown"}
 
 
+# Ray's tracing hook adds this keyword to an actor class's methods in place once the class
+# has been made a remote actor in this process (any earlier test that started a worker).
+RAY_ADDED = {"_ray_trace_ctx"}
+
+
 def _params(fn) -> list[tuple]:
     return [(p.name, p.kind, p.default, p.annotation)
-            for p in inspect.signature(fn).parameters.values()]
+            for p in inspect.signature(fn).parameters.values() if p.name not in RAY_ADDED]
 
 
 def _mismatches(cls: type, protocol: type, verbs: list[str], coroutines: bool) -> list[str]:
