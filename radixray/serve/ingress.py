@@ -68,7 +68,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             return f"Malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}", None
         where = ".".join(loc) or "body"
         param = param or where
-        parts.append(f"{where}: {err['msg']}")
+        if err.get("type") == "extra_forbidden":
+            parts.append(f"{where}: this server does not implement this field; it is refused "
+                         f"rather than ignored (remove it)")
+        else:
+            parts.append(f"{where}: {err['msg']}")
     return "; ".join(parts) or "invalid request", param
 
 

@@ -1,7 +1,10 @@
 """Request schemas of the HTTP APIs (OpenAI-compatible and native) and their sampling params.
 
-Schema errors (wrong types, out-of-range values, unknown roles) become HTTP 400
-with an OpenAI-style error object; see ``radixray.cluster.errors_http``. A field that is
+Schema errors (wrong types, out-of-range values, unknown roles, fields this server does not
+implement) become HTTP 400 with an OpenAI-style error object naming the field (serve/ingress.py).
+No field is dropped silently: every request model forbids unknown fields, and the few OpenAI
+fields that cannot change the output (``user``, ``metadata``, ``store``, ``service_tier``)
+are declared, accepted and ignored. A field that is
 also an engine sampling parameter takes its bounds from the engine's declaration
 (:class:`radixray.engine.sampling.SamplingParams`), so the two never disagree.
 """
@@ -25,6 +28,8 @@ def _engine_bounded(name: str, default=None):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
 
 
@@ -32,7 +37,7 @@ class JsonSchemaFormat(BaseModel):
     """``response_format.json_schema``: the schema output must satisfy. ``strict`` is taken
     either way: the grammar always enforces the schema (xgrammar's strict mode)."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     name: str = "response"
     description: str | None = None
@@ -42,6 +47,8 @@ class JsonSchemaFormat(BaseModel):
 
 class ResponseFormat(BaseModel):
     """OpenAI ``response_format``: text (no constraint), any JSON object, or a JSON schema."""
+
+    model_config = ConfigDict(extra="forbid")
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -61,7 +68,7 @@ class ResponseFormat(BaseModel):
 class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names + extensions)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     n: int = Field(1, ge=1)  # bounded by server.max_n (serve/limits.py)
@@ -81,8 +88,12 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     response_format: ResponseFormat | None = None
+    # Accepted and ignored: OpenAI fields that label or store a request, never change output.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
 
     def sampling_params(self, max_tokens: int, choice: int = 0) -> dict:
         """Engine sampling params for choice ``choice`` (seeds differ per choice when n > 1)."""
@@ -115,12 +126,14 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None

@@ -193,6 +193,15 @@ BAD_CHAT = [
     ({"messages": [{"role": "user", "content": LONG}]}, "maximum context length is 1024", "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, "Lower max_tokens",
      "max_tokens"),
+    # Fields this server does not implement are refused by name, never dropped silently.
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": []}, "does not implement",
+     "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 10}},
+     "does not implement", "logit_bias"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": []}]},
+     "does not implement", "messages.0.tool_calls"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"x": 1}},
+     "does not implement", "stream_options.x"),
 ]
 
 
@@ -209,6 +218,16 @@ def test_bad_chat_input_is_a_clear_400(server, client, body, needle, param):
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 
+def test_openai_fields_that_cannot_change_output_are_accepted(client):
+    """user, metadata, store and service_tier label a request; they are taken and ignored."""
+    r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, user="u-1",
+                                       metadata={"run": "a"}, store=False,
+                                       service_tier="auto")
+    assert r.choices[0].finish_reason in ("stop", "length")
+    c = client.completions.create(model="tiny", prompt="hi", max_tokens=2, user="u-1")
+    assert c.choices[0].finish_reason in ("stop", "length")
+
+
 def test_json_body_without_json_content_type(server):
     """`curl -d` sends application/x-www-form-urlencoded; the body is still read as JSON."""
     r = httpx.post(f"{server}/generate", content=json.dumps({"text": "hi", "sampling_params": {
@@ -221,6 +240,7 @@ def test_json_body_without_json_content_type(server):
     ("/v1/completions", {"prompt": [1, 2, 99999]}, "outside the vocabulary"),
     ("/v1/completions", {"prompt": LONG}, "maximum context length"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of: this server does not implement"),
     ("/generate", {"text": "hi", "sampling_params": {"bogus": 1}}, "bogus"),
     ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, "temperature"),
     ("/generate", {"sampling_params": {}}, "exactly one of text or input_ids"),
