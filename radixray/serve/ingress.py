@@ -32,7 +32,7 @@ from ray import serve
 from radixray.cluster.config import ServeConfig
 from radixray.cluster.errors import actor_unreachable
 from radixray.cluster.weight_sources import DiskWeights, DistributedWeights, WeightSource
-from radixray.serve import native_serving, openai_serving
+from radixray.serve import chat_serving, native_serving, openai_serving
 from radixray.serve.api_error import ApiError, api_error_from
 from radixray.serve.auth import AuthMiddleware, AuthPolicy, install_policy
 from radixray.serve.frontend import Frontend
@@ -225,7 +225,7 @@ class Ingress:
     async def chat_completions(self, body: ChatCompletionRequest,
                                x_session_id: str | None = Header(None)):
         await self._ensure_ready()
-        return _respond(await openai_serving.chat_completion(self.fe, body, x_session_id))
+        return _respond(await chat_serving.chat_completion(self.fe, body, x_session_id))
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest,

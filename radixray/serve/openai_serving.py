@@ -1,4 +1,5 @@
-"""OpenAI-compatible /v1/completions and /v1/chat/completions on top of a Frontend.
+"""OpenAI-compatible /v1/completions and /v1/models, and the response shapes (SSE, usage,
+logprobs, finish reasons) that /v1/chat/completions (:mod:`chat_serving`) shares.
 
 Non-streaming handlers return a dict; streaming handlers return an async
 iterator of SSE lines (``data: {...}\\n\\n`` ... ``data: [DONE]\\n\\n``).
@@ -12,7 +13,7 @@ from collections.abc import AsyncIterator
 
 from radixray.serve.api_error import ApiError
 from radixray.serve.frontend import Choice, Frontend
-from radixray.serve.protocol import ChatCompletionRequest, CompletionRequest
+from radixray.serve.protocol import CompletionRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -83,65 +84,6 @@ def completion_logprobs(fe: Frontend, ids, lps, tops, offset: int = 0) -> dict:
     top = [{fe.token_text(t): v for t, v in tops[i]} for i in range(len(tops))] if tops else None
     return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top,
             "text_offset": offsets}
-
-
-# ---- /v1/chat/completions ---------------------------------------------------------------
-async def chat_completion(fe: Frontend, req: ChatCompletionRequest, session_id: str | None = None):
-    fe.check_model(req.model)
-    fe.limits.check_openai(req, "top_logprobs")
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    ids, text = fe.chat_ids(messages)
-    max_tokens = fe.check_prompt(ids, req.max_completion_tokens or req.max_tokens, "messages")
-    params = []
-    for i in range(req.n):
-        sp = req.sampling_params(max_tokens, i)
-        if req.logprobs:
-            sp["return_logprob"] = True
-            sp["top_logprobs_num"] = req.top_logprobs or 0
-        params.append(sp)
-    choices, streams = await fe.start([ids] * req.n, params, route_text=text,
-                                      session_id=session_id)
-    rid = f"chatcmpl-{choices[0].rid}"
-    if req.stream:
-        return _chat_stream(fe, req, rid, choices, streams)
-    await fe.complete(choices, streams)
-    out = []
-    for c in choices:
-        item = {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(fe, c.output_ids, c.logprobs, c.top_logprobs)
-                if req.logprobs else None,
-                "finish_reason": finish_reason(c), "matched_stop": matched_stop(c)}
-        out.append(item)
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()),
-            "model": fe.served_model_name, "choices": out, "usage": usage(fe, choices, req.n)}
-
-
-async def _chat_stream(fe: Frontend, req: ChatCompletionRequest, rid: str, choices: list[Choice],
-                       streams) -> AsyncIterator[str]:
-    created = int(time.time())
-    base = {"id": rid, "object": "chat.completion.chunk", "created": created,
-            "model": fe.served_model_name}
-
-    def chunk(index: int, delta: dict, reason=None, logprobs=None) -> str:
-        return sse({**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                         "finish_reason": reason}]})
-    for c in choices:
-        yield chunk(c.index, {"role": "assistant", "content": ""})
-    async for c, delta, update in fe.interleave(choices, streams):
-        if c.error:
-            yield stream_error(c)
-            continue
-        lp = None
-        if req.logprobs and update.get("ids"):
-            lp = chat_logprobs(fe, update.ids, update.logprobs or [],
-                               update.get("top_logprobs", []))
-        if delta or lp:
-            yield chunk(c.index, {"content": delta}, logprobs=lp)
-        if c.meta is not None:
-            yield chunk(c.index, {}, reason=finish_reason(c))
-    if req.include_usage:
-        yield sse({**base, "choices": [], "usage": usage(fe, choices, req.n)})
-    yield SSE_DONE
 
 
 # ---- /v1/completions ----------------------------------------------------------------------
