@@ -216,3 +216,17 @@ def test_echo_without_logprobs_and_refusals(client, server):
     assert err.value.body["param"] == "suffix"
     kv = httpx.get(f"{server}/debug/kv_conservation", timeout=60).json()["worker-0"]
     assert kv["running"] == 0 and kv["waiting"] == 0
+
+
+def test_a_prefill_decode_pair_refuses_prompt_logprobs(hf):
+    from types import SimpleNamespace
+
+    from radixray.engine.executor.prompt_logprobs import no_prompt_logprobs
+    from radixray.engine.inputs import Limits, build_requests
+    assert no_prompt_logprobs(SimpleNamespace(disaggregation_mode=None)) is None
+    why = no_prompt_logprobs(SimpleNamespace(disaggregation_mode="prefill"))
+    limits = Limits(hf.config.vocab_size, 1024, 4096, no_prompt_logprobs=why)
+    with pytest.raises(ValueError, match="logprob_start_len: .*prefill-decode pair"):
+        build_requests(None, [1, 2, 3], asked(start=0), None, limits)
+    # the default start needs no prompt logits: taken anywhere
+    assert build_requests(None, [1, 2, 3], asked(start=-1), None, limits)[0]

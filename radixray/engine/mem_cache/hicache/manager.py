@@ -245,7 +245,7 @@ class HiCacheKVManager(KVManager):
         locked = []
         try:
             for req in waiting[:MAX_PREPARED_REQS]:
-                key = req.all_ids[: req.prefix_limit]
+                key = req.all_ids[: req.seq_len - 1]
                 node, loaded = self._load_back(req, key, budget)
                 if node is not None:
                     locked.append(node)
