@@ -123,7 +123,8 @@ class Engine:
 
         Each dict has ``text``, ``output_ids``, ``meta_info`` (see :class:`MetaInfo`)
         and, when requested, ``output_token_logprobs`` / ``input_token_logprobs`` and their
-        ``*_top_logprobs`` (see :func:`~radixray.engine.streams.finished_result`). Raises ValueError naming the bad field before anything is scheduled.
+        ``*_top_logprobs`` (see :func:`~radixray.engine.streams.finished_result`).
+        Raises ValueError naming the bad field before anything is scheduled.
         ``bootstrap``: on a prefill or decode engine, one PDBootstrap per prompt (or one).
         """
         reqs, is_batch = build_requests(prompt, input_ids, sampling_params, self.tokenizer,

@@ -105,9 +105,9 @@ class RequestUpdate:
     ``return_logprob`` the first update after the prompt's prefill carries its prompt
     logprobs: ``input_logprobs``, one per prompt position from ``logprob_start_len`` to the
     end (the first None), and ``input_top_logprobs`` when top logprobs were asked
-    (engine/executor/prompt_logprobs.py). ``meta`` comes with the last update. A request that failed has ``error`` (the message) and ``status``
-    (500: its batch failed, not retried; 503: its engine or worker went down, retried
-    before the first token).
+    (engine/executor/prompt_logprobs.py). ``meta`` comes with the last update. A request
+    that failed has ``error`` (the message) and ``status`` (500: its batch failed, not
+    retried; 503: its engine or worker went down, retried before the first token).
     """
 
     rid: str
