@@ -21,6 +21,7 @@ from radixray.engine.control import (
 )
 from radixray.engine.ep.eplb import ExpertBalancer, request_rebalance
 from radixray.engine.executor.model_runner import ModelRunner
+from radixray.engine.executor.prompt_logprobs import no_prompt_logprobs
 from radixray.engine.faults import ENGINE_FAILED_STATUS, EngineFailed, EngineHealth, FaultInjector
 from radixray.engine.grammar.spec import no_structured_output
 from radixray.engine.inputs import Limits, attach_bootstrap, build_requests
@@ -72,7 +73,8 @@ class Engine:
         self.scheduler = Scheduler(self.config, self.runner, stop_checker, self._subs.deliver)
         self.limits = Limits(self.runner.vocab_size, self.runner.context_len,
                              self.runner.max_total_tokens, moe=self.runner.routes_experts,
-                             no_structured_output=no_structured_output(self.config))
+                             no_structured_output=no_structured_output(self.config),
+                             no_prompt_logprobs=no_prompt_logprobs(self.config))
         self._lock = threading.Lock()
         self._faults: FaultInjector | None = None  # tests only (attach_fault_injector)
         self._stopping = False
@@ -120,7 +122,8 @@ class Engine:
         """Run prompts to completion. One prompt -> a dict; a list of prompts -> a list of dicts.
 
         Each dict has ``text``, ``output_ids``, ``meta_info`` (see :class:`MetaInfo`)
-        and, when requested, ``output_token_logprobs`` / ``output_top_logprobs``.
+        and, when requested, ``output_token_logprobs`` / ``input_token_logprobs`` and their
+        ``*_top_logprobs`` (see :func:`~radixray.engine.streams.finished_result`).
         Raises ValueError naming the bad field before anything is scheduled.
         ``bootstrap``: on a prefill or decode engine, one PDBootstrap per prompt (or one).
         """

@@ -22,6 +22,8 @@ class Limits:
     moe: bool = False  # the model routes tokens to experts (return_routed_experts allowed)
     # why this engine refuses structured output (json_schema, regex, ebnf); None: it takes it
     no_structured_output: str | None = None
+    # why this engine refuses prompt logprobs (logprob_start_len >= 0); None: it takes them
+    no_prompt_logprobs: str | None = None
 
 
 def normalize_prompts(prompt, input_ids) -> tuple[list, bool]:
@@ -78,6 +80,19 @@ def check_token_ids(ids, limits: Limits, index: int) -> list[int]:
     return ids
 
 
+def check_logprob_start(sp: SamplingParams, prompt_len: int, limits: Limits, index: int) -> None:
+    """With return_logprob, ``logprob_start_len`` names a prompt position (or is -1)."""
+    start = sp.logprob_start_len
+    if not sp.return_logprob or start < 0:
+        return
+    if limits.no_prompt_logprobs:
+        raise ValueError(f"logprob_start_len: prompt logprobs are not available here: "
+                         f"{limits.no_prompt_logprobs}")
+    if start >= prompt_len:
+        raise ValueError(f"logprob_start_len ({start}) must be less than the length of prompt "
+                         f"{index} ({prompt_len} tokens)")
+
+
 def build_requests(prompt, input_ids, sampling_params, tokenizer, limits: Limits,
                    rid=None, priority=None) -> tuple[list[Req], bool]:
     """Validate everything, then build one Req per prompt. Raises ValueError naming the field."""
@@ -106,6 +121,7 @@ def build_requests(prompt, input_ids, sampling_params, tokenizer, limits: Limits
         else:
             ids = p
         ids = check_token_ids(ids, limits, i)
+        check_logprob_start(sp, len(ids), limits, i)
         prio = priorities[i] if priorities[i] is not None else 0
         if not isinstance(prio, int):
             raise ValueError(f"priority must be an integer, got {prio!r}")

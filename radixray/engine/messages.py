@@ -101,16 +101,21 @@ def version_ranges(spans: list[list[int]], n_output: int) -> list[dict]:
 class RequestUpdate:
     """The output one request produced since its last update.
 
-    ``logprobs`` / ``top_logprobs`` are set when the request asked for them. ``meta`` comes
-    with the last update. A request that failed has ``error`` (the message) and ``status``
-    (500: its batch failed, not retried; 503: its engine or worker went down, retried
-    before the first token).
+    ``logprobs`` / ``top_logprobs`` are set when the request asked for them. With
+    ``return_logprob`` the first update after the prompt's prefill carries its prompt
+    logprobs: ``input_logprobs``, one per prompt position from ``logprob_start_len`` to the
+    end (the first None), and ``input_top_logprobs`` when top logprobs were asked
+    (engine/executor/prompt_logprobs.py). ``meta`` comes with the last update. A request
+    that failed has ``error`` (the message) and ``status`` (500: its batch failed, not
+    retried; 503: its engine or worker went down, retried before the first token).
     """
 
     rid: str
     ids: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     meta: MetaInfo | None = None
     error: str | None = None
     status: int | None = None

@@ -84,6 +84,12 @@ class Req:
     finish_time: float | None = None
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # return_logprob: prompt logprobs computed so far (engine/executor/prompt_logprobs.py);
+    # entry i is the logprob of prompt token input_logprob_start + 1 + i after the tokens
+    # before it (None when not asked). Handed out once, with the first update after prefill.
+    input_logprobs: list[float] | None = None
+    input_top_logprobs: list[list[tuple[int, float]]] | None = None
+    input_logprobs_sent: bool = False
     # the MoE routers' choices for its computed tokens (return_routed_experts only)
     routed_experts: RoutedExpertsRecord | None = None
     generator: torch.Generator | None = None
@@ -102,6 +108,10 @@ class Req:
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0
 
+    def __post_init__(self) -> None:
+        if self.sampling.return_logprob and self.input_logprobs is None:
+            self.input_logprobs, self.input_top_logprobs = [], []
+
     def commit_kv(self, n: int) -> None:
         """The step's forward pass wrote KV for the next ``n`` (reserved) tokens."""
         self.kv_len += n
@@ -114,6 +124,31 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def input_logprob_start(self) -> int:
+        """The first prompt position reported in input_token_logprobs (``logprob_start_len``;
+        -1 means the last prompt token, as in SGLang)."""
+        start = self.sampling.logprob_start_len
+        return start if start >= 0 else len(self.prompt_ids) - 1
+
+    @property
+    def input_logprobs_pending(self) -> bool:
+        """Prompt logprobs remain to compute: the logits of positions
+        ``input_logprob_start + len(input_logprobs)`` .. ``len(prompt_ids) - 2``."""
+        return (self.input_logprobs is not None and
+                self.input_logprob_start + len(self.input_logprobs) < len(self.prompt_ids) - 1)
+
+    @property
+    def prefix_limit(self) -> int:
+        """The longest cached prefix this request may reuse: ``seq_len - 1`` (the last token
+        always runs, to produce logits), and while prompt logprobs are pending no further than
+        the first position whose logits they need (those positions are recomputed, not kept:
+        the radix cache holds KV, never logits)."""
+        limit = self.seq_len - 1
+        if self.input_logprobs_pending:
+            limit = min(limit, self.input_logprob_start + len(self.input_logprobs))
+        return limit
 
     @property
     def owned_kv_len(self) -> int:

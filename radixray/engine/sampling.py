@@ -52,6 +52,11 @@ class SamplingParams:
     return_logprob: bool = False
     top_logprobs_num: int = _bounded(0, ge=0)
     return_unscaled_logprob: bool = False
+    # With return_logprob: prompt-token logprobs (input_token_logprobs) from this prompt
+    # position on, of the model's raw distribution; -1 (SGLang's default) reports only the
+    # last prompt token, whose entry (like every first one) has no logprob
+    # (engine/executor/prompt_logprobs.py)
+    logprob_start_len: int = _bounded(-1, ge=-1)
     # MoE models: report the experts each computed token was routed to (meta_info
     # routed_experts; which tokens: engine/models/routed_experts.py)
     return_routed_experts: bool = False

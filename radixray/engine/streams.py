@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from radixray.engine.detokenizer import IncrementalDetokenizer
+from radixray.engine.executor.prompt_logprobs import input_logprob_entries
 from radixray.engine.messages import MetaInfo, RequestUpdate
 from radixray.engine.request import Req
 
@@ -56,6 +57,9 @@ def take_update(req: Req, weight_version: int = 0) -> RequestUpdate:
         update.logprobs = req.output_logprobs[req.emitted:]
         if req.sampling.top_logprobs_num:
             update.top_logprobs = req.output_top_logprobs[req.emitted:]
+        if not req.input_logprobs_sent and not req.input_logprobs_pending:
+            update.input_logprobs, update.input_top_logprobs = input_logprob_entries(req)
+            req.input_logprobs_sent = True
     req.emitted = len(req.output_ids)
     if req.finished:
         update.meta = MetaInfo.of(req, weight_version)
@@ -156,6 +160,10 @@ class StreamChunks:
         chunk = {"text": text, "output_ids": update.ids, "finished": finished}
         if update.logprobs is not None:
             chunk["output_token_logprobs"] = update.logprobs
+        if update.input_logprobs is not None:
+            chunk["input_token_logprobs"] = update.input_logprobs
+            if update.input_top_logprobs is not None:
+                chunk["input_top_logprobs"] = update.input_top_logprobs
         if finished:
             chunk["meta_info"] = update.meta.to_json()
         return chunk
@@ -163,7 +171,10 @@ class StreamChunks:
 
 def finished_result(req: Req, tokenizer, weight_version: int) -> dict:
     """A finished request as ``Engine.generate`` returns it: text (stop strings and
-    incomplete characters held back as in a stream), ids, meta_info, logprobs if asked."""
+    incomplete characters held back as in a stream), ids, meta_info, logprobs if asked:
+    ``output_token_logprobs`` (one per output id) and ``input_token_logprobs`` (one per
+    prompt position from ``logprob_start_len``, the first None; absent when the request
+    ended before its prompt was prefilled), with their ``*_top_logprobs`` when asked."""
     detok = _detokenizer(tokenizer, req)
     text = detok.add_tokens(req.output_ids)
     if not detok.stopped:
@@ -174,4 +185,9 @@ def finished_result(req: Req, tokenizer, weight_version: int) -> dict:
         out["output_token_logprobs"] = list(req.output_logprobs)
         if req.sampling.top_logprobs_num:
             out["output_top_logprobs"] = list(req.output_top_logprobs)
+        if not req.input_logprobs_pending:
+            values, tops = input_logprob_entries(req)
+            out["input_token_logprobs"] = values
+            if tops is not None:
+                out["input_top_logprobs"] = tops
     return out

@@ -32,6 +32,10 @@ class Choice:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list] = field(default_factory=list)
+    # prompt logprobs (return_logprob): one per prompt position from logprob_start_len, the
+    # first None; set by the first update after the prompt's prefill
+    input_logprobs: list | None = None
+    input_top_logprobs: list | None = None
     text: str = ""
     meta: MetaInfo | None = None
     error: str | None = None
@@ -47,6 +51,9 @@ class Choice:
         self.output_ids.extend(ids)
         self.logprobs.extend(update.logprobs or ())
         self.top_logprobs.extend(update.top_logprobs or ())
+        if update.input_logprobs is not None:
+            self.input_logprobs = update.input_logprobs
+            self.input_top_logprobs = update.input_top_logprobs
         delta = self.detok.add_tokens(ids)
         if update.meta is not None:
             self.meta = update.meta

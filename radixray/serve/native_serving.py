@@ -42,22 +42,49 @@ def _params(req: GenerateRequest, n: int) -> list[dict]:
     if req.return_logprob:
         params["return_logprob"] = True
         params["top_logprobs_num"] = req.top_logprobs_num
+        if req.logprob_start_len != -1:
+            params["logprob_start_len"] = req.logprob_start_len
     return [dict(params) for _ in range(n)]
 
 
-def _meta(fe: Frontend, c: Choice, with_logprobs: bool) -> dict:
+def _check_logprob_start(params: list[dict], prompts: list[list[int]]) -> None:
+    """With return_logprob, ``logprob_start_len`` must name a position of every prompt."""
+    for ids, sp in zip(prompts, params):
+        start = sp.get("logprob_start_len", -1)
+        if sp.get("return_logprob") and start >= len(ids):
+            raise ApiError(400, f"logprob_start_len ({start}) must be less than the prompt's "
+                           f"length ({len(ids)} tokens)", param="logprob_start_len")
+
+
+def _meta(fe: Frontend, c: Choice, req: GenerateRequest) -> dict:
+    """meta_info; with return_logprob, SGLang's logprob fields: ``[logprob, token id, text]``
+    per token (text None unless return_text_in_logprobs), ``*_top_logprobs`` a list of those
+    per token, and the input ones from logprob_start_len with the first entry's logprob (and
+    top list) None."""
     meta = c.meta.to_json() if c.meta else {"id": c.rid, "finish_reason": None,
                                          "prompt_tokens": len(c.prompt_ids),
                                          "completion_tokens": len(c.output_ids)}
-    if with_logprobs:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.output_ids)]
-        if c.top_logprobs:
-            meta["output_top_logprobs"] = [[[v, t, None] for t, v in top] for top in c.top_logprobs]
+    if not req.return_logprob:
+        return meta
+
+    def entry(lp, t):
+        return [lp, t, fe.token_text(t) if req.return_text_in_logprobs else None]
+
+    def tops(per_token):
+        return [None if top is None else [entry(v, t) for t, v in top] for top in per_token]
+    meta["output_token_logprobs"] = [entry(lp, t) for lp, t in zip(c.logprobs, c.output_ids)]
+    if c.top_logprobs:
+        meta["output_top_logprobs"] = tops(c.top_logprobs)
+    if c.input_logprobs is not None:
+        ids = c.prompt_ids[len(c.prompt_ids) - len(c.input_logprobs):]
+        meta["input_token_logprobs"] = [entry(lp, t) for lp, t in zip(c.input_logprobs, ids)]
+        if c.input_top_logprobs is not None:
+            meta["input_top_logprobs"] = tops(c.input_top_logprobs)
     return meta
 
 
-def _result(fe: Frontend, c: Choice, with_logprobs: bool) -> dict:
-    return {"text": c.text, "output_ids": list(c.output_ids), "meta_info": _meta(fe, c, with_logprobs)}
+def _result(fe: Frontend, c: Choice, req: GenerateRequest) -> dict:
+    return {"text": c.text, "output_ids": list(c.output_ids), "meta_info": _meta(fe, c, req)}
 
 
 async def generate(fe: Frontend, req: GenerateRequest, session_id: str | None = None):
@@ -67,6 +94,7 @@ async def generate(fe: Frontend, req: GenerateRequest, session_id: str | None = 
     for ids, sp in zip(prompts, params):
         param = "input_ids" if req.input_ids is not None else "text"
         sp["max_new_tokens"] = fe.check_prompt(ids, sp.get("max_new_tokens", 128), param)
+    _check_logprob_start(params, prompts)
     if req.stream and is_batch:
         raise ApiError(400, "stream=true takes one prompt", param="stream")
     rids = None
@@ -80,7 +108,7 @@ async def generate(fe: Frontend, req: GenerateRequest, session_id: str | None = 
     if req.stream:
         return _stream(fe, req, choices, streams)
     await fe.complete(choices, streams)
-    results = [_result(fe, c, req.return_logprob) for c in choices]
+    results = [_result(fe, c, req) for c in choices]
     return results if is_batch else results[0]
 
 
@@ -90,5 +118,5 @@ async def _stream(fe: Frontend, req: GenerateRequest, choices, streams) -> Async
             yield sse(c.api_error().body())
             continue
         if delta or c.meta is not None:
-            yield sse(_result(fe, c, req.return_logprob))
+            yield sse(_result(fe, c, req))
     yield SSE_DONE

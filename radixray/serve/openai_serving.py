@@ -76,14 +76,39 @@ def chat_logprobs(fe: Frontend, ids, lps, tops) -> dict:
 
 
 def completion_logprobs(fe: Frontend, ids, lps, tops, offset: int = 0) -> dict:
+    """The legacy completions ``logprobs`` object of tokens ``ids``: ``text_offset`` counts
+    the token texts' characters from ``offset``; a None top list (an echoed prompt's first
+    token) stays null."""
     tokens = [fe.token_text(t) for t in ids]
     offsets, pos = [], offset
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
-    top = [{fe.token_text(t): v for t, v in tops[i]} for i in range(len(tops))] if tops else None
+    top = [None if tops[i] is None else {fe.token_text(t): v for t, v in tops[i]}
+           for i in range(len(tops))] if tops else None
     return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top,
             "text_offset": offsets}
+
+
+def _echo_logprobs(fe: Frontend, c: Choice) -> dict:
+    """``echo`` with ``logprobs``: the prompt's tokens (the first with a null logprob and
+    null top logprobs), then the completion's, ``text_offset`` running on."""
+    lps = c.input_logprobs if c.input_logprobs is not None else [None] * len(c.prompt_ids)
+    tops = c.input_top_logprobs
+    if tops is not None or c.top_logprobs:
+        tops = (tops or [None] * len(c.prompt_ids)) + list(c.top_logprobs)
+    return completion_logprobs(fe, c.prompt_ids + c.output_ids, list(lps) + list(c.logprobs),
+                               tops)
+
+
+def _prompt_texts(fe: Frontend, prompt, prompts: list[list[int]]) -> list[str]:
+    """The text ``echo`` returns for each prompt: the string as given, or the token ids
+    decoded."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    return [fe.tokenizer.decode(ids) for ids in prompts]
 
 
 # ---- /v1/completions ----------------------------------------------------------------------
@@ -104,48 +129,73 @@ def completion_prompts(fe: Frontend, prompt) -> list[list[int]]:
 
 
 async def completion(fe: Frontend, req: CompletionRequest, session_id: str | None = None):
+    """``echo``: each choice's text (and, with ``logprobs``, its logprobs) starts with its
+    prompt; the prompt tokens' logprobs come from the engine (``logprob_start_len`` 0), the
+    first one null. ``max_tokens`` 0 is taken with ``echo`` only (score a prompt, generate
+    nothing); ``suffix`` is refused."""
     fe.check_model(req.model)
     fe.limits.check_openai(req, "logprobs")
-    if req.echo or req.suffix:
-        raise ApiError(400, "echo and suffix are not supported", param="echo" if req.echo else "suffix")
+    if req.suffix:
+        raise ApiError(400, "suffix is not supported", param="suffix")
+    if req.max_tokens == 0 and not req.echo:
+        raise ApiError(400, "max_tokens must be at least 1; 0 is accepted only with echo=true "
+                       "(the prompt's logprobs alone)", param="max_tokens")
     prompts = completion_prompts(fe, req.prompt)
+    echoes = _prompt_texts(fe, req.prompt, prompts) if req.echo else None
     all_ids, params = [], []
     for ids in prompts:
-        max_tokens = fe.check_prompt(ids, req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
+        asked = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        max_tokens = fe.check_prompt(ids, asked, "prompt")
         for i in range(req.n):
             sp = req.sampling_params(max_tokens, i)
             if req.logprobs is not None:
                 sp["return_logprob"] = True
                 sp["top_logprobs_num"] = req.logprobs
+                if req.echo:
+                    sp["logprob_start_len"] = 0
             all_ids.append(ids)
             params.append(sp)
+    echo_of = (lambda c: echoes[c.index // req.n]) if echoes else (lambda c: "")
     text = req.prompt if isinstance(req.prompt, str) else None
     choices, streams = await fe.start(all_ids, params, route_text=text, session_id=session_id)
     rid = f"cmpl-{choices[0].rid}"
     if req.stream:
-        return _completion_stream(fe, req, rid, choices, streams)
+        return _completion_stream(fe, req, rid, choices, streams, echo_of)
     await fe.complete(choices, streams)
-    out = [{"index": c.index, "text": c.text, "finish_reason": finish_reason(c),
-            "matched_stop": matched_stop(c),
-            "logprobs": completion_logprobs(fe, c.output_ids, c.logprobs, c.top_logprobs)
-            if req.logprobs is not None else None} for c in choices]
+    out = [{"index": c.index, "text": echo_of(c) + c.text, "finish_reason": finish_reason(c),
+            "matched_stop": matched_stop(c), "logprobs": None if req.logprobs is None else
+            _echo_logprobs(fe, c) if req.echo else
+            completion_logprobs(fe, c.output_ids, c.logprobs, c.top_logprobs)} for c in choices]
     return {"id": rid, "object": "text_completion", "created": int(time.time()),
             "model": fe.served_model_name, "choices": out, "usage": usage(fe, choices, req.n)}
 
 
 async def _completion_stream(fe: Frontend, req: CompletionRequest, rid: str,
-                             choices: list[Choice], streams) -> AsyncIterator[str]:
+                             choices: list[Choice], streams, echo_of) -> AsyncIterator[str]:
+    """With ``echo`` each choice's first chunk is its prompt (and the prompt's logprobs),
+    sent once the prompt is prefilled; ``text_offset`` runs on from it."""
     base = {"id": rid, "object": "text_completion", "created": int(time.time()),
             "model": fe.served_model_name}
     offsets = {c.index: 0 for c in choices}
+    echoed: set[int] = set()
     async for c, delta, update in fe.interleave(choices, streams):
         if c.error:
             yield stream_error(c)
             continue
+        if req.echo and c.index not in echoed:
+            echoed.add(c.index)
+            lp = None
+            if req.logprobs is not None:
+                lp = completion_logprobs(fe, c.prompt_ids, c.input_logprobs or
+                                         [None] * len(c.prompt_ids), c.input_top_logprobs)
+                if lp["tokens"]:
+                    offsets[c.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            yield sse({**base, "choices": [{"index": c.index, "text": echo_of(c),
+                                            "logprobs": lp, "finish_reason": None}]})
         lp = None
-        if req.logprobs is not None and update.get("ids"):
+        if req.logprobs is not None and update.ids:
             lp = completion_logprobs(fe, update.ids, update.logprobs or [],
-                                     update.get("top_logprobs", []), offsets[c.index])
+                                     update.top_logprobs or [], offsets[c.index])
         offsets[c.index] += len(delta)
         if delta or lp or c.meta is not None:
             yield sse({**base, "choices": [{"index": c.index, "text": delta, "logprobs": lp,

@@ -121,8 +121,11 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = _engine_bounded("top_logprobs_num")  # and by server.max_top_logprobs
+    # 0 only with echo (the prompt's logprobs alone, as lm-eval's loglikelihood asks);
+    # openai_serving.completion refuses it otherwise
+    max_tokens: int | None = Field(None, ge=0)
     echo: bool = False
-    suffix: str | None = None
+    suffix: str | None = None  # refused when set (400)
 
 
 class TextPart(BaseModel):
@@ -165,6 +168,10 @@ class GenerateRequest(BaseModel):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = _engine_bounded("top_logprobs_num", 0)  # and server.max_top_logprobs
+    # with return_logprob: meta_info.input_token_logprobs from this prompt position (SGLang's
+    # -1: only the last prompt token's entry); return_text_in_logprobs fills each entry's text
+    logprob_start_len: int = _engine_bounded("logprob_start_len", -1)
+    return_text_in_logprobs: bool = False
     # MoE models: meta_info.routed_experts (as SGLang's field; the same as the sampling param)
     return_routed_experts: bool = False
     rid: str | None = None

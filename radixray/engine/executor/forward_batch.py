@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from radixray.engine.executor.prompt_logprobs import PromptLogprobRows
     from radixray.engine.request import Req
 
 
@@ -39,6 +40,9 @@ class ForwardBatch:
     attn_metadata: dict = field(default_factory=dict)
     # Extend only: logits for every new token, not just each request's last (scoring).
     all_logits: bool = False
+    # Extend only: rows whose final hidden states prompt logprobs need besides each request's
+    # last (engine/executor/prompt_logprobs.py); the model leaves them in ``prompt_rows.hidden``.
+    prompt_rows: PromptLogprobRows | None = None
     # Requests that asked for their routed experts: (request, first row, rows, position of
     # the first row). When any did, a MoE model leaves every row's top-k logical expert
     # ids in ``routed_experts`` [T, MoE layers, top_k] (the model runner hands them out).

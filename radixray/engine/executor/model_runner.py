@@ -12,6 +12,7 @@ from radixray.engine.config import EngineConfig
 from radixray.engine.ep.eplb import model_expert_options
 from radixray.engine.ep.group import join_ep_group
 from radixray.engine.executor.forward_batch import ForwardBatch, ForwardMode
+from radixray.engine.executor.prompt_logprobs import compute_prompt_logprobs, plan_prompt_rows
 from radixray.engine.mem_cache.hugepages import pack_parameters_into_huge_pages
 from radixray.engine.mem_cache.pool import (
     KVPool,
@@ -178,7 +179,8 @@ class ModelRunner:
 
     # ---- batches ---------------------------------------------------------------------
     def build_extend_batch(self, items: list[tuple[Req, int]], slots: list[torch.Tensor]) -> ForwardBatch:
-        """Prefill ``n`` new tokens of each request after its first ``kv_len`` tokens."""
+        """Prefill ``n`` new tokens of each request after its first ``kv_len`` tokens (and the
+        rows of those that prompt logprobs need: engine/executor/prompt_logprobs.py)."""
         ids: list[int] = []
         positions: list[int] = []
         prefix_lens, extend_lens, seq_lens, captures = [], [], [], []
@@ -198,7 +200,7 @@ class ModelRunner:
             out_cache_loc=torch.cat(slots) if len(slots) > 1 else slots[0],
             req_rows=torch.tensor([r.req_row for r, _ in items], dtype=torch.int64),
             prefix_lens=prefix_lens, extend_lens=extend_lens, seq_lens=seq_lens,
-            route_captures=captures)
+            route_captures=captures, prompt_rows=plan_prompt_rows(items))
 
     def build_decode_batch(self, reqs: list[Req], slots: torch.Tensor,
                            ahead: list[int] | None = None) -> ForwardBatch:
@@ -238,11 +240,15 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """fp32 logits ``[B, vocab]`` (on the model's device) for each request's last new token.
-        Requests that asked for their routed experts get this step's (engine/models/routed_experts.py)."""
+        Requests that asked for their routed experts get this step's (engine/models/routed_experts.py);
+        those with prompt logprobs pending get this step's part of them appended."""
         if self.device != "cpu":
             batch.to_device(self.device)
         self.attn_backend.init_forward_metadata(batch)
         logits = self.model(batch)
+        if batch.prompt_rows is not None:
+            compute_prompt_logprobs(batch.prompt_rows, self.model.project, self.vocab_size)
+            batch.prompt_rows.hidden = None
         record_routes(batch)
         if self.slot_routes is not None and batch.routed_experts is not None:
             self.slot_routes.write(batch.out_cache_loc, batch.routed_experts)

@@ -48,8 +48,9 @@ class KVManager:
         Never frees a locked slot. Nothing to do with a device-only cache."""
 
     def match(self, req: Req) -> MatchResult:
-        """Cached prefix of the request's sequence, at most ``seq_len - 1`` tokens. Locks nothing."""
-        return self.cache.match_prefix(req.all_ids[: req.seq_len - 1])
+        """Cached prefix of the request's sequence, at most ``req.prefix_limit`` tokens
+        (``seq_len - 1``, less while prompt logprobs are pending). Locks nothing."""
+        return self.cache.match_prefix(req.all_ids[: req.prefix_limit])
 
     def alloc_slots(self, n: int) -> torch.Tensor | None:
         """``n`` free slots, evicting unlocked cached prefixes if needed; ``None`` if impossible."""

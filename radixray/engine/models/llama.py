@@ -99,7 +99,8 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Decoder over packed tokens; ``forward`` returns fp32 logits of each request's last new
-    token (of every new token when ``batch.all_logits``)."""
+    token (of every new token when ``batch.all_logits``), and keeps the hidden states of
+    ``batch.prompt_rows`` for :meth:`project`."""
 
     def __init__(self, config, dtype: torch.dtype = torch.float32, max_positions: int | None = None,
                  kernels: CpuKernels | None = None):
@@ -143,9 +144,16 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x, residual = layer(batch.positions, x, batch, residual)
         if batch.mode is not ForwardMode.DECODE and not batch.all_logits:
+            if batch.prompt_rows is not None:  # prompt logprobs: projected by the runner
+                keep = batch.prompt_rows.rows.to(x.device)
+                batch.prompt_rows.hidden = self.norm.add_norm(x[keep], residual[keep])[1]
             rows = batch.last_token_rows()
             x, residual = x[rows], residual[rows]
         _, h = self.norm.add_norm(x, residual)
+        return self.project(h)
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[N, vocab]`` of final normed hidden states ``h`` ``[N, hidden]``."""
         if self.lm_head_int8 is not None:
             return self.lm_head_int8(h).float()
         return self.kernels.linear(h, self.lm_head_weight).float()
