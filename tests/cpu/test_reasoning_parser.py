@@ -1,9 +1,8 @@
 """The reasoning parsers (serve/reasoning.py): ``<think>...</think>`` split from the answer,
 whole-text and streamed at every chunking, and the answer then read by a tool-call parser."""
 
-import random
-
 import pytest
+from test_tool_parsers import chunkings
 
 from radixray.serve.reasoning import REASONING_PARSERS, reasoning_parser
 from radixray.serve.tool_parsers import parser_class
@@ -37,30 +36,11 @@ def _stream(parser, text: str, sizes) -> tuple[str, str]:
     return "".join(reasoning) + r, "".join(content) + c
 
 
-def _chunkings(text: str, seed: int = 0):
-    rng = random.Random(seed)
-    yield [1] * len(text)
-    yield [len(text)]
-    for _ in range(20):
-        sizes, left = [], len(text)
-        while left > 0:
-            sizes.append(min(left, rng.randint(1, 6)))
-            left -= sizes[-1]
-        yield sizes
-
-
 @pytest.mark.parametrize("name, text, reasoning, content", CASES)
 def test_split_and_every_chunking_of_the_stream_agree(name, text, reasoning, content):
     assert reasoning_parser(name).split(text) == (reasoning, content)
-    for sizes in _chunkings(text):
+    for sizes in chunkings(text, seed=len(text)):
         assert _stream(reasoning_parser(name), text, sizes) == (reasoning or "", content), sizes
-
-
-def test_every_split_point_of_a_two_piece_stream():
-    text = "<think>\nI will call a tool.\n</think>\n\nSure."
-    for cut in range(len(text) + 1):
-        parser = reasoning_parser("qwen3")
-        assert _stream(parser, text, [cut, len(text) - cut]) == ("I will call a tool.", "Sure.")
 
 
 def test_thinking_disabled_passes_everything_through_as_content():

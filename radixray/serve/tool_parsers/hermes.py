@@ -51,6 +51,8 @@ class HermesParser(StreamingCallParser):
                 return False
             if got != FAIL:
                 self._take(got[0])
+            elif at_end and CLOSE.startswith(self._buf):  # the text ended inside the marker
+                self._take(len(self._buf))
             self._end_region()
             return True
         raise AssertionError(state)

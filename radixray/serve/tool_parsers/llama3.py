@@ -77,6 +77,10 @@ class Llama3JsonParser(StreamingCallParser):
 
     @classmethod
     def triggered_call(cls, tools: list[dict], parallel: bool = True) -> dict:
-        """For ``tool_choice: auto``: free text, and every ``{"name": `` the model writes
-        starts a valid call of one of the tools."""
-        return grammar.triggered(grammar.chosen(tools, None), _tag, '{"name": ', parallel)
+        """For ``tool_choice: auto``: either the output is calls (as :meth:`forced_call`
+        with ``name`` None), or it is text in which ``{"name"`` does not occur (a call
+        cannot start mid-text, where this parser would not read it). Calls after
+        ``<|python_tag|>`` are not constrained."""
+        calls = grammar.calls_format(grammar.chosen(tools, None), _tag, "; ", parallel)
+        return grammar.structural_tag({"type": "or", "elements": [
+            calls, {"type": "any_text", "excludes": ['{"name"']}]})

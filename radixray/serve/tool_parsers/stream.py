@@ -241,9 +241,10 @@ class StreamingCallParser(ToolCallParser):
         hits = [(i, m) for i, m in hits if i >= 0]
         if hits:
             i, marker = min(hits)
-            self._emit_text(buf[:i].rstrip(_WS))
+            before = buf[:i].rstrip(_WS)
+            self._emit_text(before)
             self._buf = buf[i + len(marker):]
-            self._region = marker
+            self._region = buf[len(before):i + len(marker)]  # content again if it fails
             self._started = True
             return marker
         if at_end:
