@@ -11,7 +11,9 @@ A :class:`ReasoningParser` is chosen by ``--reasoning-parser`` (:data:`REASONING
   the template).
 
 With ``enable_thinking=False`` (the request's ``chat_template_kwargs``) every parser passes
-the text through as content.
+the text through as content. :meth:`ReasoningParser.after_reasoning` moves a request's
+structured-output constraint (a forced tool call, a JSON schema) past the reasoning block, so
+a reasoning model thinks freely before the constrained part.
 
 Contracts: ``split(text)`` returns ``(reasoning, content)``: ``reasoning`` is the text of the
 block, stripped, None when there is none or it is empty; ``content`` is the rest (what the
@@ -24,9 +26,17 @@ the whole text, so the two agree by construction.
 
 from __future__ import annotations
 
+import json
 from typing import ClassVar
 
 _WS = " \t\n\r"
+# a sampling-params constraint -> the structural-tag format of it
+_CONSTRAINTS = {
+    "structural_tag": None,  # its own "format"
+    "json_schema": lambda schema: {"type": "json_schema", "json_schema": schema},
+    "regex": lambda pattern: {"type": "regex", "pattern": pattern},
+    "ebnf": lambda text: {"type": "grammar", "grammar": text},
+}
 
 
 class ReasoningParser:
@@ -58,6 +68,28 @@ class ReasoningParser:
     def flush(self) -> tuple[str, str]:
         """The generation ended: release what is held."""
         return self._run(at_end=True)
+
+    def after_reasoning(self, params: dict) -> dict:
+        """Engine sampling params whose structured-output constraint (``structural_tag``,
+        ``json_schema``, ``regex`` or ``ebnf``) applies after the reasoning block instead
+        of from the first token: the block (opened by the template or by the model, as this
+        parser expects) is free text up to ``</think>``, then the constraint. ``params``
+        unchanged when thinking is off or it has no constraint."""
+        kinds = [k for k in _CONSTRAINTS if params.get(k) is not None]
+        if not self.enable_thinking or len(kinds) != 1:
+            return params
+        (kind,) = kinds
+        value = params[kind]
+        if kind in ("structural_tag", "json_schema") and isinstance(value, str):
+            value = json.loads(value)
+        constraint = value["format"] if kind == "structural_tag" else _CONSTRAINTS[kind](value)
+        block = {"type": "tag", "begin": "" if self.starts_in_reasoning else self.start_tag,
+                 "content": {"type": "any_text"},
+                 "end": [self.end_tag + "\n\n", self.end_tag + "\n", self.end_tag]}
+        out = {k: v for k, v in params.items() if k != kind}
+        out["structural_tag"] = json.dumps({"type": "structural_tag", "format": {
+            "type": "sequence", "elements": [block, constraint]}}, ensure_ascii=False)
+        return out
 
     # ---- the machine -----------------------------------------------------------------------
     def _run(self, at_end: bool) -> tuple[str, str]:

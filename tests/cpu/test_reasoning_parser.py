@@ -79,3 +79,25 @@ def test_a_tool_call_after_the_reasoning_block():
         args += [x.arguments for x in d.calls]
     assert "".join(got_reasoning) + r == reasoning
     assert "".join(texts) == "Let me check." and "".join(args) == '{"city": "Paris"}'
+
+
+def test_constraints_apply_after_the_reasoning_block():
+    from test_tool_parsers import accepts, compile_tag
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}]
+    forced = parser_class("hermes").forced_call(tools, "f")
+    call = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    qwen3 = compile_tag(reasoning_parser("qwen3").after_reasoning(forced))
+    assert accepts(qwen3, "<think>\nany text, even {broken\n</think>\n\n" + call)
+    assert not accepts(qwen3, call)  # the model opens the block itself
+    assert not accepts(qwen3, "<think>x</think>\n\nchat first " + call)
+    r1 = compile_tag(reasoning_parser("deepseek-r1").after_reasoning(forced))
+    assert accepts(r1, "the template opened the block</think>" + call)
+    schema = compile_tag(reasoning_parser("deepseek-r1").after_reasoning(
+        {"json_schema": '{"type": "object", "properties": {"a": {"type": "boolean"}}}',
+         "max_new_tokens": 9}))
+    assert accepts(schema, 'hmm</think>\n\n{"a": true}')
+    assert not accepts(schema, 'hmm</think>\n\n{"a": 1}')
+    # thinking off, or nothing to constrain: the params as they were
+    assert reasoning_parser("qwen3", enable_thinking=False).after_reasoning(forced) == forced
+    assert reasoning_parser("qwen3").after_reasoning({"max_new_tokens": 3}) == {"max_new_tokens": 3}
