@@ -189,6 +189,48 @@ def test_arguments_stream_as_they_grow_and_markers_are_held_back(fmt, head):
     assert more.calls[0].arguments == " text" and more.calls[0].name is None
 
 
+def _random_value(rng: random.Random, depth: int = 0):
+    kind = rng.randrange(7 if depth < 3 else 4)
+    if kind == 0:
+        return rng.choice([True, False, None])
+    if kind == 1:
+        return rng.choice([0, -7, 3.25, 1e-9, -2.5e30, 123456789])
+    if kind in (2, 3):
+        return "".join(rng.choice('ab "\\/\n\té中🙂\x01') for _ in range(rng.randrange(6)))
+    if kind in (4, 5):
+        return {f"k{i}": _random_value(rng, depth + 1) for i in range(rng.randrange(4))}
+    return [_random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+
+
+def test_json_scanner_against_json_loads():
+    """Every prefix of a JSON object: no error, and the safe part plus its closers parses;
+    the whole: done at its end. Mutated texts: done only on what json.loads takes."""
+    from radixray.serve.tool_parsers.json_scan import JsonScanner
+    rng = random.Random(7)
+    for trial in range(300):
+        value = {"a": _random_value(rng), "b": _random_value(rng)}
+        text = json.dumps(value, ensure_ascii=trial % 2 == 0,
+                          indent=rng.choice([None, 1]), separators=rng.choice([None, (",", ":")]))
+        scanner = JsonScanner()
+        for i, ch in enumerate(text):
+            assert scanner.feed(ch) == 1 and not scanner.error, (text, i)
+            if not scanner.done:
+                assert isinstance(json.loads(text[:scanner.safe] + scanner.completion()), dict)
+        assert scanner.done and scanner.consumed == len(text)
+        assert scanner.feed(" more") == 0
+        k = rng.randrange(len(text))
+        mutated = text[:k] + rng.choice(',:{}[]"\\ 1ex') + text[k:]
+        scanner = JsonScanner()
+        scanner.feed(mutated)
+        if scanner.done:
+            assert json.loads(mutated[:scanner.consumed]) is not None
+        try:
+            json.loads(mutated)
+        except ValueError:
+            continue
+        assert scanner.done and scanner.consumed == len(mutated.rstrip()), mutated
+
+
 def test_no_tools_means_no_calls():
     text = hermes_call("get_weather", PARIS)
     assert parser_class("hermes")([]).parse(text).text == text

@@ -30,12 +30,12 @@ _HEX = frozenset("0123456789abcdefABCDEF")
 _ESCAPES = frozenset('"\\/bfnrtu')
 
 # what the scanner expects next
-_VALUE = "value"            # a value (top level, after ':' or ',' in an array)
+_VALUE = "value"            # a value (the top-level object, after ':', after ',' in an array)
 _FIRST = "first"            # after '[': a value or ']'
 _KEY_OR_END = "key_or_end"  # after '{': a key or '}'
 _KEY = "key"                # after ',' in an object
 _COLON = "colon"
-_AFTER = "after"            # after a value: ',' or the closer (or the end, at top level)
+_AFTER = "after"            # after a value: ',' or the closer
 _STRING = "string"
 _NUMBER_STATE = "number"
 _LITERAL = "literal"
@@ -55,6 +55,7 @@ class JsonScanner:
         self._is_key = False          # the open string is a key
         self._escape = 0              # 0: none; 1: after '\'; 2..5: inside '\\uXXXX'
         self._token = ""              # the number or literal being read
+        self._completion = ""         # the closers of the text up to ``safe``
 
     def feed(self, text: str) -> int:
         """Consume ``text`` until the value is done or broken; the number of chars taken."""
@@ -74,22 +75,20 @@ class JsonScanner:
         if self._state == _NUMBER_STATE and _NUMBER.fullmatch(self._token):
             self._state = _AFTER
             self.safe = self.consumed
-            self._safe_completion = "".join("}" if c == "{" else "]"
-                                            for c in reversed(self._stack))
+            self._completion = self._closers()
 
     def completion(self) -> str:
         """What turns the text up to ``safe`` into a valid value: closers only."""
-        if self.done:
-            return ""
-        return self._safe_completion
+        return "" if self.done else self._completion
 
     # ---- one character ------------------------------------------------------------------
-    def _mark_safe(self) -> None:
-        self.safe = self.consumed + 1
-        closers = "".join("}" if c == "{" else "]" for c in reversed(self._stack))
-        self._safe_completion = ('"' if self._state == _STRING else "") + closers
+    def _closers(self) -> str:
+        return "".join("}" if c == "{" else "]" for c in reversed(self._stack))
 
-    _safe_completion = ""
+    def _mark_safe(self) -> None:
+        """The text up to and including the current char is safe."""
+        self.safe = self.consumed + 1
+        self._completion = ('"' if self._state == _STRING else "") + self._closers()
 
     def _close_value(self) -> None:
         """A value just ended at the current char (inclusive)."""
@@ -97,7 +96,7 @@ class JsonScanner:
             self.done = True
             self._state = _AFTER
             self.safe = self.consumed + 1
-            self._safe_completion = ""
+            self._completion = ""
             return
         self._state = _AFTER
         self._mark_safe()
@@ -122,8 +121,7 @@ class JsonScanner:
                 return False
             self._state = _AFTER
             self.safe = self.consumed
-            closers = "".join("}" if c == "{" else "]" for c in reversed(self._stack))
-            self._safe_completion = closers
+            self._completion = self._closers()
             return self._step(ch)
         if ch in _WS:
             return True
