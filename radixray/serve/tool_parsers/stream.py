@@ -306,23 +306,18 @@ class StreamingCallParser(ToolCallParser):
         self._state = "args"
 
     def _step_header(self, at_end: bool) -> bool:
+        # a first key "name" whose value is not among the tools: decided once it is read
+        named = match_seq(self._buf, 0, CALL_HEADER[:7], at_end)
+        if isinstance(named, tuple) and named[1][0] not in self.tool_names:
+            return self._fail_region()
         got = match_seq(self._buf, 0, CALL_HEADER, at_end)
         if got == MORE:
-            # a name already read and unknown decides now
-            early = match_seq(self._buf, 0, CALL_HEADER[:7], at_end)
-            if isinstance(early, tuple) and early[1][0] not in self.tool_names:
-                return self._fail_region()
             return False
-        if got == FAIL or self._buf[got[0]:got[0] + 1] != "{":
-            early = match_seq(self._buf, 0, CALL_HEADER[:7], at_end)
-            if isinstance(early, tuple) and early[1][0] not in self.tool_names:
-                return self._fail_region()
+        if got == FAIL or self._buf[got[0]:got[0] + 1] != "{":  # not name-then-arguments
             self._scanner, self._raw = JsonScanner(), ""
             self._state = "buffered"
             return True
         end, (name,) = got
-        if name not in self.tool_names:
-            return self._fail_region()
         self._commit(name)
         self._outer = JsonScanner()
         self._outer.feed(self._buf[:end])
