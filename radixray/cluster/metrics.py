@@ -216,8 +216,8 @@ def grammar_families(w: list[str], snap: dict) -> list[Metric]:
     g.add_metric(w, float(snap["queue"]))
     out: list[Metric] = [g]
     for name, key, doc in (
-            ("structured_output_requests", "requests", "Requests with a json_schema, regex "
-             "or ebnf constraint."),
+            ("structured_output_requests", "requests", "Requests with a json_schema, regex, "
+             "ebnf or structural_tag constraint."),
             ("grammar_compiles", "compiles", "Grammars compiled (cache misses), failed ones "
              "included."),
             ("grammar_compile_seconds", "compile_seconds", "Seconds spent compiling grammars "

@@ -147,15 +147,16 @@ class EngineConfig:
     ep_timeout_s: float = option(300.0, "with ep_size > 1: a collective waiting this long "
                                  "for a rank fails the group (which is restarted whole)", gt=0)
     grammar_backend: str = option("xgrammar", "structured output (json_schema, regex, ebnf, "
-                                  "response_format): xgrammar, or none to refuse such "
-                                  "requests", choices=("xgrammar", "none"))
+                                  "structural_tag, response_format): xgrammar, or none to "
+                                  "refuse such requests", choices=("xgrammar", "none"))
     grammar_compile_threads: int = option(2, "threads compiling grammars off the scheduler "
                                           "thread", ge=1)
     grammar_cache_size: int = option(512, "compiled grammars kept (most recently used), "
                                      "failed ones included", ge=1)
     grammar_json_max_whitespace: int | None = option(
-        16, "most whitespace characters in a row a JSON schema lets the model write (bounds "
-        "a model stuck on whitespace; None: unbounded)", ge=0)
+        16, "most whitespace characters in a row a JSON schema (also one inside a structural "
+        "tag) lets the model write (bounds a model stuck on whitespace; None: unbounded)",
+        ge=0)
     speculative_algorithm: str | None = option(
         None, "NGRAM: draft tokens from n-grams of each request's own prompt and output, "
         "verified in one forward (greedy output unchanged, sampled output distributed the "

@@ -20,7 +20,7 @@ class Limits:
     context_len: int
     max_total_tokens: int
     moe: bool = False  # the model routes tokens to experts (return_routed_experts allowed)
-    # why this engine refuses structured output (json_schema, regex, ebnf); None: it takes it
+    # why this engine refuses structured output (json_schema, regex, ebnf, structural_tag); None: it takes it
     no_structured_output: str | None = None
     # why this engine refuses prompt logprobs (logprob_start_len >= 0); None: it takes them
     no_prompt_logprobs: str | None = None

@@ -60,11 +60,13 @@ class SamplingParams:
     # MoE models: report the experts each computed token was routed to (meta_info
     # routed_experts; which tokens: engine/models/routed_experts.py)
     return_routed_experts: bool = False
-    # Structured output: at most one constraint (engine/grammar/); a JSON schema may be
-    # given as a dict and is kept as its JSON text
+    # Structured output: at most one constraint (engine/grammar/); a JSON schema or a
+    # structural tag (xgrammar's {"type": "structural_tag", "format": ...}) may be given as
+    # a dict and is kept as its JSON text
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
@@ -80,8 +82,9 @@ class SamplingParams:
             d.pop("stop", None)
         if d.get("stop_token_ids") is None:
             d.pop("stop_token_ids", None)
-        if isinstance(d.get("json_schema"), dict):
-            d["json_schema"] = json.dumps(d["json_schema"])
+        for name in ("json_schema", "structural_tag"):
+            if isinstance(d.get(name), dict):
+                d[name] = json.dumps(d[name])
         return cls(**d)
 
     @property
@@ -114,7 +117,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if vocab_size is not None and self.top_logprobs_num > vocab_size:
             raise ValueError(f"top_logprobs_num must be <= vocab size {vocab_size}, got {self.top_logprobs_num}")
-        if self.json_schema is not None or self.regex is not None or self.ebnf is not None:
+        if any(getattr(self, k) is not None
+               for k in ("json_schema", "regex", "ebnf", "structural_tag")):
             from radixray.engine.grammar.spec import check_syntax
             check_syntax(self)  # one constraint, and one xgrammar parses
 

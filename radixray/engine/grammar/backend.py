@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from radixray.engine.grammar.spec import GrammarSpec, clean_error
+from radixray.engine.grammar.spec import GrammarSpec, clean_error, with_max_whitespace
 
 logger = logging.getLogger("radixray.grammar")
 
@@ -138,4 +138,7 @@ class GrammarBackend:
             return compiler.compile_regex(spec.text)
         if spec.kind == "ebnf":
             return compiler.compile_grammar(spec.text)
+        if spec.kind == "structural_tag":
+            return compiler.compile_structural_tag(
+                with_max_whitespace(spec.text, self.json_max_whitespace))
         raise ValueError(f"unknown grammar kind {spec.kind!r}")

@@ -10,7 +10,12 @@ Contracts shared by every parser:
 
 - ``parse(text)`` splits a finished generation into the text outside calls and the calls.
   A call that does not parse (broken JSON, missing name, a name not among the tools,
-  an unterminated block) is not a call: its text stays in ``text``.
+  an unterminated block) is not a call: its text stays in ``text``. Precisely: a call
+  counts once its header is complete (its marker, and a name among the tools ahead of its
+  arguments); before that, anything that goes wrong leaves its text as content. From then
+  on its arguments stream, so a call whose arguments break or are cut short (the generation
+  ended) keeps the valid part of them, closed (``{"city": "Par`` -> ``{"city": "Par"}``).
+  Whitespace between content and a call is not content. (stream.py has the details.)
 - ``feed(delta)`` / ``flush()`` stream the same split. The text a client sees, joined over
   every ``StreamDelta.text``, plus the calls assembled from every ``ToolCallDelta`` (the way
   the OpenAI client assembles them: the name once, on a call's first delta, then argument
@@ -21,7 +26,11 @@ Contracts shared by every parser:
 - ``forced_call(tools, name)`` is the structured-output constraint (engine sampling params,
   e.g. ``{"json_schema": ...}`` or ``{"structural_tag": ...}``) under which the model can only
   emit calls in this parser's syntax whose arguments validate against the called tool's
-  ``parameters`` schema (``name`` None: any of the tools, at least one call).
+  ``parameters`` schema (``name`` None: any of the tools, at least one call; ``name``
+  given: exactly one call). ``parallel=False`` (``parallel_tool_calls: false``) allows
+  exactly one call. ValueError naming ``tool_choice`` for a name not among the tools.
+- ``triggered_call(tools)`` is the constraint for ``tool_choice: auto``: free text, but a
+  call the model opens (its marker) must be a valid call of one of the tools.
 """
 
 from __future__ import annotations
@@ -88,6 +97,12 @@ class ToolCallParser(ABC):
 
     @classmethod
     @abstractmethod
-    def forced_call(cls, tools: list[dict], name: str | None) -> dict:
+    def forced_call(cls, tools: list[dict], name: str | None, parallel: bool = True) -> dict:
         """Engine sampling params that constrain output to calls of ``tools`` (of ``name``
         only, when given) in this syntax, arguments valid against the tool's schema."""
+
+    @classmethod
+    @abstractmethod
+    def triggered_call(cls, tools: list[dict], parallel: bool = True) -> dict:
+        """Engine sampling params for ``tool_choice: auto``: any text, and each call the
+        model opens is a valid call of one of ``tools`` (one only, unless ``parallel``)."""
