@@ -213,13 +213,15 @@ class FleetOperations:
         return dict(zip((r.worker_id for r in live), left))
 
     @after_rebuild
-    async def update_weights(self, source: WeightSource, weight_version: int | None = None,
+    async def update_weights(self, source: WeightSource,
+                             weight_version: int | str | None = None,
                              pause_mode: str | None = "retract",
                              release_memory: list[str] = (), keep_paused: bool = False) -> dict:
         """One weight update on every live worker, all or none (see weight_rollout.py).
         ``source``: a cluster/weight_sources.py type (disk, tensor, distributed). The version
-        defaults to the fleet's current one + 1. Workers left stale by a restart take
-        requests again afterwards."""
+        is an int or a string label (engine/weights/version.py); it defaults to the next
+        integer, and a refused one raises VersionRefused with nothing started. Workers left
+        stale by a restart take requests again afterwards."""
         result = await self.weights.update(self.registry.live(), source, weight_version,
                                            pause_mode, list(release_memory), keep_paused)
         for rec in self.registry.live():

@@ -44,7 +44,8 @@ class FleetControl(Protocol):
 
     async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> dict: ...
 
-    async def update_weights(self, source: WeightSource, weight_version: int | None = None,
+    async def update_weights(self, source: WeightSource,
+                             weight_version: int | str | None = None,
                              pause_mode: str | None = "retract",
                              release_memory: list[str] = (), keep_paused: bool = False
                              ) -> dict: ...

@@ -14,12 +14,13 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from radixray.cluster.routing import PolicyName
 from radixray.engine.control import MemoryTag, PauseMode, ReleasableDuringUpdate
 from radixray.engine.grammar.spec import JSON_OBJECT_SCHEMA
 from radixray.engine.sampling import bounds
+from radixray.engine.weights.version import check_version
 
 
 def _engine_bounded(name: str, default=None):
@@ -192,10 +193,19 @@ class _FleetUpdate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    weight_version: int | None = Field(None, ge=1, description="default: the current one + 1")
+    weight_version: int | str | None = Field(None, description=(
+        "an int greater than every int version served so far, or a string label as in SGLang "
+        "('v1', a step tag; no order, may repeat); default: the next int"))
     pause_mode: PauseMode | None = "retract"
     release_memory: list[ReleasableDuringUpdate] = []
     keep_paused: bool = False
+
+    @field_validator("weight_version", mode="before")
+    @classmethod
+    def _version_shape(cls, v):
+        """An int >= 1 (not a bool or a float) or a non-empty label; the fleet checks the
+        order against the versions it served."""
+        return v if v is None else check_version(v, 0, "the first load is version 0")
 
 
 class UpdateWeightsFromDisk(_FleetUpdate):

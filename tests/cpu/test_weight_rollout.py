@@ -109,7 +109,7 @@ def test_a_restarted_worker_replays_a_disk_update_or_stays_stale_after_a_tensor_
     assert _run(weights.catch_up(fresh)) is None
     assert fresh.weight_version == 1 and fresh.handle.calls == [
         "begin_weight_update", "update_weights_from_disk", "end_weight_update"]
-    with pytest.raises(ValueError, match="greater than the current weight version 1"):
+    with pytest.raises(ValueError, match="weight_version must be an integer greater than 1"):
         _run(weights.update(recs, DISK, 1, "retract", [], False))
     _run(weights.update(recs, TensorWeights(payload="ref"), 5, "retract", [], False))
     late = Rec("d", FakeWorker("d"))

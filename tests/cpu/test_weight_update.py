@@ -15,6 +15,7 @@ from serving_helpers import free_port
 from weight_helpers import GREEDY_N, assert_matches_hf, perturb
 
 from radixray import Engine
+from radixray.engine.weights.version import VersionRefused
 
 NEW = 24
 
@@ -151,12 +152,14 @@ def test_bad_sessions_are_refused_and_the_old_weights_keep_serving(tiny_llama_di
         eng.begin_weight_update()
         with pytest.raises(ValueError, match="'model.layers.9.mlp.up_proj.weight' has no matching"):
             eng.update_weights_from_tensor({"model.layers.9.mlp.up_proj.weight": torch.zeros(1)})
-        for version in (0, -1, "3", 1.5, True):
-            eng.begin_weight_update()
-            eng.update_weights_from_tensor(named)
-            with pytest.raises(ValueError, match="greater than the current weight version 0"):
+        eng.begin_weight_update()
+        eng.update_weights_from_tensor(named)
+        for version, why in ((0, "greater than 0"), (-1, "greater than 0"), (1.5, "float"),
+                             (True, "bool"), ("", "1 to 256 characters")):
+            with pytest.raises(VersionRefused, match=f"weight_version.*{why}"):
                 eng.end_weight_update(version)
         _serves_unchanged(eng, prompts, expected, 0)
+        assert eng.abort_weight_update() is True  # a refused version kept the session open
         assert eng.abort_weight_update() is False
         eng.begin_weight_update()
         eng.update_weights_from_tensor(named)
