@@ -297,6 +297,54 @@ def test_fleet_wide_weight_updates_are_all_or_none(fleet, tiny_llama_dir, tmp_pa
     _wait_idle(fleet)
 
 
+def test_string_weight_versions_over_http(fleet, tiny_llama_dir, tmp_path):
+    """SGLang's RL clients send step tags: an update from disk as "v1" is stamped on GET
+    /get_weight_version, /metrics (an info label) and /generate's meta_info; ints keep
+    their order after a label; a refused version is a 400 naming weight_version that
+    changes nothing, and the next valid call succeeds (the same label again included)."""
+    import torch
+    from model_fixtures import random_prompts
+    from transformers import AutoModelForCausalLM
+    from weight_helpers import perturb
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    prompts = random_prompts(hf.config.vocab_size)[5:6]
+    s1 = {n: p.clone() for n, p in perturb(hf, seed=31).items()}
+    hf.save_pretrained(tmp_path / "s1", safe_serialization=True)
+    perturb(hf, seed=32)
+    hf.save_pretrained(tmp_path / "s2", safe_serialization=True)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            p.copy_(s1[n])
+    start = _versions(fleet)["weight_version"]
+    assert isinstance(start, int)
+
+    def update(path: str, version) -> httpx.Response:
+        return httpx.post(f"{fleet}/update_weights_from_disk", json={
+            "model_path": str(tmp_path / path), "weight_version": version}, timeout=120)
+
+    r = update("s1", "v1")
+    assert r.status_code == 200 and r.json()["weight_version"] == "v1", r.text
+    assert _versions(fleet) == {"weight_version": "v1",
+                                "workers": {"worker-0": "v1", "worker-1": "v1"}}
+    page = httpx.get(f"{fleet}/metrics").text
+    assert metric(page, "radixray:weight_version_info", worker="worker-1", weight_version="v1") == 1
+    assert "radixray:weight_version{" not in page  # no number while a label serves
+    r = update("s2", start + 1)
+    assert r.status_code == 200 and r.json()["weight_version"] == start + 1, r.text
+    for refused in (start + 1, 1):
+        bad = update("s1", refused)
+        assert bad.status_code == 400, bad.text
+        assert f"weight_version must be an integer greater than {start + 1}" in bad.text
+    bad = update("s1", "")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "weight_version", bad.text
+    assert _versions(fleet)["workers"] == {"worker-0": start + 1, "worker-1": start + 1}
+    for _ in range(2):  # a label may repeat, as SGLang's clients send it on every bucket
+        r = update("s1", "v1")
+        assert r.status_code == 200 and r.json()["weight_version"] == "v1", r.text
+    _assert_serves(fleet, hf, prompts, "v1")
+    _wait_idle(fleet)
+
+
 def test_killed_worker_is_restarted_and_requests_end_cleanly(fleet):
     import threading
 

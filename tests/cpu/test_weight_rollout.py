@@ -10,6 +10,7 @@ import pytest
 
 from radixray.actors.weight_rollout import FleetUpdateFailed, FleetWeights, run_fleet_update
 from radixray.cluster.weight_sources import DiskWeights, TensorWeights
+from radixray.engine.weights.version import VersionRefused
 
 
 class FakeWorker:
@@ -45,7 +46,7 @@ class FakeWorker:
 class Rec:
     worker_id: str
     handle: FakeWorker
-    weight_version: int = 0
+    weight_version: int | str = 0
 
 
 DISK = DiskWeights("/ckpt")
@@ -119,3 +120,30 @@ def test_a_restarted_worker_replays_a_disk_update_or_stays_stale_after_a_tensor_
     weights._replay = _source()
     assert "could not take weight version 5" in _run(weights.catch_up(broken))
     assert "abort_weight_update" in broken.handle.calls and weights.stale == {"d", "e"}
+
+
+def test_string_labels_and_a_refused_version_over_the_fleet():
+    """A label is stamped on every worker and may repeat; an int not above every int the
+    fleet served is refused before any worker is paused or opens a session, and the next
+    valid call succeeds; a restored controller keeps the bound."""
+    weights = FleetWeights()
+    recs = [Rec("a", FakeWorker("a")), Rec("b", FakeWorker("b"))]
+    _run(weights.update(recs, DISK, 4, "retract", [], False))
+    out = _run(weights.update(recs, DISK, "v1", "retract", [], False))
+    assert out["weight_version"] == "v1" and weights.version == "v1"
+    assert [(r.weight_version, r.handle.version) for r in recs] == [("v1", "v1"), ("v1", "v1")]
+    calls = [list(r.handle.calls) for r in recs]
+    for refused in (4, 3):
+        with pytest.raises(VersionRefused, match="weight_version must be an integer greater "
+                                                 "than 4"):
+            _run(weights.update(recs, DISK, refused, "retract", [], False))
+    assert [r.handle.calls for r in recs] == calls  # nothing paused, staged or opened
+    assert weights.version == "v1"
+    assert _run(weights.update(recs, DISK, "v1", "retract", [], False))["weight_version"] == "v1"
+    assert _run(weights.update(recs, DISK, None, "retract", [], False))["weight_version"] == 5
+    restored = FleetWeights()
+    restored.restore("v2", DISK, set(), 5)
+    with pytest.raises(VersionRefused, match="greater than 5"):
+        _run(restored.update(recs, DISK, 5, "retract", [], False))
+    fresh = Rec("c", FakeWorker("c"))
+    assert _run(restored.catch_up(fresh)) is None and fresh.weight_version == "v2"

@@ -185,8 +185,8 @@ def test_a_prefix_cached_before_an_update_is_not_reused_after_it(tiny_llama_dir)
         eng.check_kv_conservation()
 
 
-@pytest.mark.parametrize("mode", ["in_place", "retract"])
-def test_a_request_living_through_an_update_reports_version_spans(tiny_llama_dir, mode):
+@pytest.mark.parametrize("mode, version", [("in_place", 7), ("retract", "v7")])
+def test_a_request_living_through_an_update_reports_version_spans(tiny_llama_dir, mode, version):
     hf = _hf(tiny_llama_dir)
     named = perturb(hf, seed=6)
     with _engine(tiny_llama_dir) as eng:
@@ -197,14 +197,14 @@ def test_a_request_living_through_an_update_reports_version_spans(tiny_llama_dir
         produced = eng.call_in_loop(lambda s: [len(r.output_ids) for r in s.queues.running + s.queues.waiting])[0]
         eng.begin_weight_update()
         eng.update_weights_from_tensor(named)
-        eng.end_weight_update(7)
+        eng.end_weight_update(version)
         eng.continue_generation()
         t.join(120)
         meta = box["out"]["meta_info"]
-        assert meta["weight_version"] == 7
+        assert meta["weight_version"] == version
         assert meta["weight_versions"] == [
             {"weight_version": 0, "start": 0, "end": produced},
-            {"weight_version": 7, "start": produced, "end": 400}]
+            {"weight_version": version, "start": produced, "end": 400}]
         assert (meta["num_retractions"] == 1) == (mode == "retract")
         eng.check_kv_conservation()
 
