@@ -64,7 +64,7 @@ def test_ints_keep_their_order_across_labels_and_a_rollback_restores_it(tiny_lla
     """An int must exceed every int served before, labels in between too; a label may
     repeat; no version means the next int; a rolled-back commit does not raise the bound."""
     with _engine(tiny_llama_dir) as eng:
-        delta = {"model.norm.weight": torch.ones(64)}  # the loaded value: outputs stay
+        delta = {"model.norm.weight": torch.ones(64)}  # a one-tensor update
 
         def update(version):
             eng.begin_weight_update()
