@@ -386,6 +386,9 @@ class EngineWorker:
     async def get_weight_version(self) -> WeightVersion:
         return self.engine.get_weight_version()
 
+    async def update_weight_version(self, new_version: WeightVersion) -> dict:
+        return await self._later(self.engine.update_weight_version, new_version)
+
     async def metric_families(self) -> list:
         """This worker's Prometheus families (picklable) for the ingress's /metrics."""
         load = await self.load()

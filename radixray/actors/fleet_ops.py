@@ -189,6 +189,14 @@ class FleetOperations:
         return {"weight_version": self.weights.version, "workers": versions}
 
     @after_rebuild
+    async def update_weight_version(self, new_version: int | str) -> dict:
+        """Rename the weights every live worker serves (no transfer; see
+        FleetWeights.relabel): ``{"weight_version", "previous_version", "workers"}``."""
+        result = await self.weights.relabel(self.registry.live(), new_version)
+        await self._publish()
+        return result
+
+    @after_rebuild
     async def init_weights_update_group(self, master_address: str, master_port: int,
                                         world_size: int, group_name: str = DEFAULT_GROUP,
                                         backend: str = "gloo", timeout_s: float = 600.0) -> dict:

@@ -210,6 +210,29 @@ class FleetWeights:
                 rec.weight_version = version
             return result
 
+    async def relabel(self, records: list, new_version: WeightVersion) -> dict:
+        """Rename the weights every live worker serves (no transfer; SGLang's
+        ``update_weight_version``). A refused version raises VersionRefused before any
+        worker is asked. The fleet takes the new name even when a worker fails (named in
+        the FleetUpdateFailed): a restarted worker replays the last update under it."""
+        async with self.lock:
+            version = check_version(new_version, self.floor)
+            previous = self.version
+            ids = [r.worker_id for r in records]
+            results = await asyncio.gather(*(r.handle.update_weight_version.remote(version)
+                                             for r in records), return_exceptions=True)
+            self.version, self.floor = version, raise_floor(self.floor, version)
+            for rec, result in zip(records, results):
+                if not isinstance(result, BaseException):
+                    rec.weight_version = version
+            errors = {w: str(unwrap_ray_error(r)) for w, r in zip(ids, results)
+                      if isinstance(r, BaseException)}
+            if errors:
+                raise FleetUpdateFailed("; ".join(f"{w}: {e}" for w, e in errors.items()))
+            logger.info("fleet weight version %r renamed %r", previous, version)
+            return {"weight_version": version, "previous_version": previous,
+                    "workers": sorted(ids)}
+
     async def catch_up(self, rec) -> str | None:
         """Bring a just-started worker to the fleet's version; None when it serves it, else
         why it cannot (it then belongs in :attr:`stale`)."""

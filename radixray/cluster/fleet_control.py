@@ -37,6 +37,8 @@ class FleetControl(Protocol):
 
     async def get_weight_version(self) -> dict: ...
 
+    async def update_weight_version(self, new_version: int | str) -> dict: ...
+
     async def init_weights_update_group(self, master_address: str, master_port: int,
                                         world_size: int, group_name: str = DEFAULT_GROUP,
                                         backend: str = "gloo",

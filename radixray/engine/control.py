@@ -256,6 +256,11 @@ class EngineControl(Protocol):
     def get_weight_version(self) -> WeightVersion:
         """The version of the weights serving now (an int or a string label)."""
 
+    def update_weight_version(self, new_version: WeightVersion) -> dict:
+        """Rename the weights serving now (SGLang's ``update_weight_version``; the weights
+        and the prefix cache stay): ``{"weight_version", "previous_version"}``. A refused
+        version raises VersionRefused and changes nothing."""
+
 
 def verbs_of(protocol: type) -> list[str]:
     """The verb names a protocol declares, in declaration order."""

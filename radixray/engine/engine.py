@@ -425,6 +425,10 @@ class Engine:
     def get_weight_version(self) -> WeightVersion:
         return self.weights.version
 
+    @scheduler_verb()
+    def update_weight_version(self, new_version: WeightVersion) -> dict:
+        return self.weights.relabel(self.scheduler, new_version)
+
     def _weight_fault_point(self, phase: str) -> None:
         if self._faults is not None:
             self._faults.before_weight_update(phase, self.worker_id)

@@ -215,6 +215,30 @@ class UpdateWeightsFromDisk(_FleetUpdate):
     model_path: str = Field(min_length=1)
 
 
+class UpdateWeightVersion(BaseModel):
+    """POST /update_weight_version (SGLang's): rename the weights every worker serves, no
+    transfer; the same rules as an update's weight_version."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    new_version: int | str = Field(description="an int greater than every int version served "
+                                   "so far, or a string label")
+    abort_all_requests: bool = Field(False, description="not supported: true is refused")
+
+    @field_validator("new_version", mode="before")
+    @classmethod
+    def _version_shape(cls, v):
+        return check_version(v, 0, "the first load is version 0")
+
+    @field_validator("abort_all_requests")
+    @classmethod
+    def _no_abort(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("abort_all_requests is not supported here: abort the requests "
+                             "first (POST /abort_request with abort_all), then rename")
+        return v
+
+
 class DestroyWeightsUpdateGroup(BaseModel):
     """POST /destroy_weights_update_group: every worker leaves the trainer's group."""
 

@@ -134,6 +134,8 @@ def test_the_worker_runs_the_engines_verbs(tiny_llama_dir):
         assert (await worker.end_weight_update("v1"))["weight_version"] == "v1"
         assert await worker.get_weight_version() == "v1"
         assert (await worker.load()).weight_version == "v1"
+        renamed = await worker.update_weight_version("v1-final")
+        assert renamed == {"weight_version": "v1-final", "previous_version": "v1"}
         names = {f.name for f in await worker.metric_families()}
         assert "radixray:weight_version_info" in names and "radixray:weight_version" not in names
     try:

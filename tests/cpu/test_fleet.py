@@ -301,7 +301,8 @@ def test_string_weight_versions_over_http(fleet, tiny_llama_dir, tmp_path):
     """SGLang's RL clients send step tags: an update from disk as "v1" is stamped on GET
     /get_weight_version, /metrics (an info label) and /generate's meta_info; ints keep
     their order after a label; a refused version is a 400 naming weight_version that
-    changes nothing, and the next valid call succeeds (the same label again included)."""
+    changes nothing, and the next valid call succeeds (the same label again included);
+    POST /update_weight_version renames the weights serving."""
     import torch
     from model_fixtures import random_prompts
     from transformers import AutoModelForCausalLM
@@ -341,7 +342,17 @@ def test_string_weight_versions_over_http(fleet, tiny_llama_dir, tmp_path):
     for _ in range(2):  # a label may repeat, as SGLang's clients send it on every bucket
         r = update("s1", "v1")
         assert r.status_code == 200 and r.json()["weight_version"] == "v1", r.text
-    _assert_serves(fleet, hf, prompts, "v1")
+    rename = httpx.post(f"{fleet}/update_weight_version", json={"new_version": start + 1})
+    assert rename.status_code == 400 and "greater than" in rename.text, rename.text
+    rename = httpx.post(f"{fleet}/update_weight_version", json={"new_version": "v1-final",
+                                                                "abort_all_requests": True})
+    assert rename.status_code == 400, rename.text
+    assert rename.json()["error"]["param"] == "abort_all_requests"
+    rename = httpx.post(f"{fleet}/update_weight_version", json={"new_version": "v1-final"})
+    assert rename.status_code == 200 and rename.json()["new_version"] == "v1-final", rename.text
+    assert _versions(fleet) == {"weight_version": "v1-final",
+                                "workers": {"worker-0": "v1-final", "worker-1": "v1-final"}}
+    _assert_serves(fleet, hf, prompts, "v1-final")
     _wait_idle(fleet)
 
 

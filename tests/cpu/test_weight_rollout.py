@@ -37,6 +37,8 @@ class FakeWorker:
                         worker.version, worker.old = args[0] if args else worker.staged, worker.version
                     elif method == "rollback_weight_update":
                         worker.version = worker.old
+                    elif method == "update_weight_version":
+                        worker.version = args[0]
                     return method
                 return run()
         return _Method
@@ -147,3 +149,19 @@ def test_string_labels_and_a_refused_version_over_the_fleet():
         _run(restored.update(recs, DISK, 5, "retract", [], False))
     fresh = Rec("c", FakeWorker("c"))
     assert _run(restored.catch_up(fresh)) is None and fresh.weight_version == "v2"
+
+
+def test_a_fleet_rename_checks_first_and_names_a_worker_that_failed():
+    weights = FleetWeights()
+    recs = [Rec("a", FakeWorker("a")), Rec("b", FakeWorker("b", fail="update_weight_version"))]
+    _run(weights.update(recs, DISK, 2, "retract", [], False))
+    calls = [list(r.handle.calls) for r in recs]
+    with pytest.raises(VersionRefused, match="greater than 2"):
+        _run(weights.relabel(recs, 2))
+    assert [r.handle.calls for r in recs] == calls and weights.version == 2
+    with pytest.raises(FleetUpdateFailed, match="b: update_weight_version broke on b"):
+        _run(weights.relabel(recs, "step-2"))
+    assert weights.version == "step-2" and [r.weight_version for r in recs] == ["step-2", 2]
+    out = _run(weights.relabel(recs, 3))
+    assert out == {"weight_version": 3, "previous_version": "step-2", "workers": ["a", "b"]}
+    assert [(r.weight_version, r.handle.version) for r in recs] == [(3, 3), (3, 3)]

@@ -117,10 +117,52 @@ def test_one_label_on_two_buckets_never_reuses_kv_of_the_first(tiny_llama_dir):
         eng.check_kv_conservation()
 
 
+def test_update_weight_version_renames_the_weights_and_keeps_their_kv(tiny_llama_dir):
+    """SGLang's update_weight_version: a new name for the weights serving now; their cached
+    prefixes stay valid, the int order holds, a refusal changes nothing."""
+    hf = _hf(tiny_llama_dir)
+    prompt = random_prompts(hf.config.vocab_size)[4]
+    params = {**GREEDY_N, "max_new_tokens": NEW}
+    with _engine(tiny_llama_dir) as eng:
+        eng.begin_weight_update()
+        eng.update_weights_from_tensor(perturb(hf, seed=44))
+        eng.end_weight_update(3)
+        first = eng.generate(input_ids=prompt, sampling_params=params)
+        assert eng.update_weight_version("rollout-7") == {"weight_version": "rollout-7",
+                                                           "previous_version": 3}
+        with pytest.raises(VersionRefused, match="greater than 3"):
+            eng.update_weight_version(3)
+        again = eng.generate(input_ids=prompt, sampling_params=params)
+        assert again["meta_info"]["weight_version"] == "rollout-7"
+        assert again["meta_info"]["cached_tokens"] > 0  # the same weights: KV reused
+        assert again["output_ids"] == first["output_ids"]
+        assert eng.update_weight_version(5)["weight_version"] == 5
+        eng.begin_weight_update()
+        eng.update_weights_from_tensor({"model.norm.weight": torch.ones(64)})
+        with pytest.raises(VersionRefused, match="greater than 5"):
+            eng.end_weight_update(4)
+        assert eng.end_weight_update(None)["weight_version"] == 6
+        eng.check_kv_conservation()
+
+
+def test_a_rename_renames_the_current_span_of_live_requests():
+    from types import SimpleNamespace
+
+    from radixray.engine.weights.session import rename_last_span
+    req = SimpleNamespace(weight_spans=[[0, 0], [3, 5]])
+    rename_last_span(req, "v3")
+    assert req.weight_spans == [[0, 0], ["v3", 5]]
+    rename_last_span(req, 0)  # the same name as the weights before: one span
+    assert req.weight_spans == [[0, 0]]
+    waiting = SimpleNamespace(weight_spans=[])
+    rename_last_span(waiting, "v4")
+    assert waiting.weight_spans == []
+
+
 def test_the_http_body_takes_an_int_or_a_label_and_names_weight_version_otherwise():
     import pydantic
 
-    from radixray.serve.protocol import UpdateWeightsFromDisk
+    from radixray.serve.protocol import UpdateWeightsFromDisk, UpdateWeightVersion
     for version in (1, 7, "v1", "3", None):
         assert UpdateWeightsFromDisk(model_path="/m", weight_version=version).weight_version \
             == version
@@ -131,6 +173,12 @@ def test_the_http_body_takes_an_int_or_a_label_and_names_weight_version_otherwis
         with pytest.raises(pydantic.ValidationError) as err:
             UpdateWeightsFromDisk(model_path="/m", weight_version=bad)
         assert [e["loc"] for e in err.value.errors()] == [("weight_version",)]
+        with pytest.raises(pydantic.ValidationError) as err:
+            UpdateWeightVersion(new_version=bad)
+        assert [e["loc"] for e in err.value.errors()] == [("new_version",)]
+    assert UpdateWeightVersion(new_version="v2").new_version == "v2"
+    with pytest.raises(pydantic.ValidationError, match="abort_all_requests is not supported"):
+        UpdateWeightVersion(new_version="v2", abort_all_requests=True)
 
 
 def test_a_string_version_is_an_info_label_and_an_int_also_a_gauge():

@@ -323,6 +323,24 @@ class WeightUpdater:
                         ", ".join(f"{k} {v:.3f} s" for k, v in self._phases.items()))
             return dict(self.last)
 
+    def relabel(self, scheduler, version: WeightVersion) -> dict:
+        """Scheduler thread: name the weights serving now ``version`` (SGLang's
+        ``update_weight_version``). The weights stay, so cached KV stays valid; each live
+        request's current span takes the new name. VersionRefused by the rules of
+        :func:`check_version`; ValueError while a commit awaits finish or rollback."""
+        with self._lock:
+            if self._undo is not None:
+                raise ValueError("update_weight_version: a committed weight update is not "
+                                 "finished yet")
+            version = check_version(version, self.floor)
+            previous, self.version = self.version, version
+            self.floor = raise_floor(self.floor, version)
+            scheduler.kv.weight_label = version
+            for req in scheduler.scheduled_requests():
+                rename_last_span(req, version)
+            logger.info("weight version %r renamed %r", previous, version)
+            return {"weight_version": version, "previous_version": previous}
+
     def _set_version(self, scheduler, version: WeightVersion) -> None:
         """Serve new weights as ``version``: a new cache generation (KV of the weights before
         is never matched again) and a new span on each live request."""
@@ -345,3 +363,13 @@ def start_new_span(req, version: WeightVersion) -> None:
             spans.pop()
     else:
         spans.append([version, n])
+
+
+def rename_last_span(req, version: WeightVersion) -> None:
+    """The weights ``req`` runs on now are called ``version`` (no new weights)."""
+    spans = req.weight_spans
+    if not spans:  # not admitted yet: it starts under the new name
+        return
+    spans[-1][0] = version
+    if len(spans) > 1 and spans[-2][0] == version:
+        spans.pop()
