@@ -211,13 +211,15 @@ class FleetWeights:
             return result
 
     async def relabel(self, records: list, new_version: WeightVersion) -> dict:
-        """Rename the weights every live worker serves (no transfer; SGLang's
-        ``update_weight_version``). A refused version raises VersionRefused before any
-        worker is asked. The fleet takes the new name even when a worker fails (named in
-        the FleetUpdateFailed): a restarted worker replays the last update under it."""
+        """Rename the weights the live workers serve (no transfer; SGLang's
+        ``update_weight_version``); a stale worker keeps its own (other weights). A refused
+        version raises VersionRefused before any worker is asked. The fleet takes the new
+        name even when a worker fails (named in the FleetUpdateFailed): a restarted worker
+        replays the last update under it."""
         async with self.lock:
             version = check_version(new_version, self.floor)
             previous = self.version
+            records = [r for r in records if r.worker_id not in self.stale]
             ids = [r.worker_id for r in records]
             results = await asyncio.gather(*(r.handle.update_weight_version.remote(version)
                                              for r in records), return_exceptions=True)

@@ -165,3 +165,7 @@ def test_a_fleet_rename_checks_first_and_names_a_worker_that_failed():
     out = _run(weights.relabel(recs, 3))
     assert out == {"weight_version": 3, "previous_version": "step-2", "workers": ["a", "b"]}
     assert [(r.weight_version, r.handle.version) for r in recs] == [(3, 3), (3, 3)]
+    weights.stale = {"b"}  # left behind by a restart: it serves other weights
+    recs[1].weight_version = recs[1].handle.version = 0
+    assert _run(weights.relabel(recs, "step-3"))["workers"] == ["a"]
+    assert [r.weight_version for r in recs] == ["step-3", 0] and recs[1].handle.version == 0

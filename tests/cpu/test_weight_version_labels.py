@@ -141,7 +141,11 @@ def test_update_weight_version_renames_the_weights_and_keeps_their_kv(tiny_llama
         eng.update_weights_from_tensor({"model.norm.weight": torch.ones(64)})
         with pytest.raises(VersionRefused, match="greater than 5"):
             eng.end_weight_update(4)
-        assert eng.end_weight_update(None)["weight_version"] == 6
+        assert eng.prepare_weight_update(None)["weight_version"] == 6
+        with pytest.raises(ValueError, match="between prepare and finish"):
+            eng.update_weight_version(9)  # 6 was checked against the names before
+        assert eng.commit_weight_update() == 6
+        assert eng.finish_weight_update()["weight_version"] == 6
         eng.check_kv_conservation()
 
 
@@ -152,8 +156,8 @@ def test_a_rename_renames_the_current_span_of_live_requests():
     req = SimpleNamespace(weight_spans=[[0, 0], [3, 5]])
     rename_last_span(req, "v3")
     assert req.weight_spans == [[0, 0], ["v3", 5]]
-    rename_last_span(req, 0)  # the same name as the weights before: one span
-    assert req.weight_spans == [[0, 0]]
+    rename_last_span(req, 0)  # the name of the weights before, but other weights
+    assert req.weight_spans == [[0, 0], [0, 5]]
     waiting = SimpleNamespace(weight_spans=[])
     rename_last_span(waiting, "v4")
     assert waiting.weight_spans == []

@@ -169,6 +169,10 @@ class KVManager:
         self.cache.set_version(generation)
         self.weight_label = generation if label is None else label
 
+    def rename_weights(self, label: int | str) -> None:
+        """The weights serving now are called ``label`` (no new weights: the cache stays)."""
+        self.weight_label = label
+
     def flush_cache(self) -> bool:
         """Drop every cached prefix. Only possible while no request holds a row."""
         if self.req_pool.available_size() != self.req_pool.max_requests:

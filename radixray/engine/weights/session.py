@@ -79,7 +79,7 @@ class WeightUpdater:
         self.generation = 0  # +1 per commit and rollback: the prefix cache's key
         self._layout: WeightLayout | None = None
         self._stage: WeightStage | None = None
-        self._prepared: tuple[int, Prepared] | None = None
+        self._prepared: tuple[WeightVersion, Prepared] | None = None
         self._undo: tuple[WeightVersion, int, Undo] | None = None  # (version, floor, undo)
         self._groups: dict[str, tuple[object, int]] = {}  # name -> (process group, our rank)
         self._phases: dict[str, float] = {}
@@ -327,15 +327,16 @@ class WeightUpdater:
         """Scheduler thread: name the weights serving now ``version`` (SGLang's
         ``update_weight_version``). The weights stay, so cached KV stays valid; each live
         request's current span takes the new name. VersionRefused by the rules of
-        :func:`check_version`; ValueError while a commit awaits finish or rollback."""
+        :func:`check_version`; ValueError between prepare and finish (the prepared version
+        was checked against the names before)."""
         with self._lock:
-            if self._undo is not None:
-                raise ValueError("update_weight_version: a committed weight update is not "
-                                 "finished yet")
+            if self._prepared is not None or self._undo is not None:
+                raise ValueError("update_weight_version: a weight update is between prepare "
+                                 "and finish; rename after it")
             version = check_version(version, self.floor)
             previous, self.version = self.version, version
             self.floor = raise_floor(self.floor, version)
-            scheduler.kv.weight_label = version
+            scheduler.kv.rename_weights(version)
             for req in scheduler.scheduled_requests():
                 rename_last_span(req, version)
             logger.info("weight version %r renamed %r", previous, version)
@@ -366,10 +367,7 @@ def start_new_span(req, version: WeightVersion) -> None:
 
 
 def rename_last_span(req, version: WeightVersion) -> None:
-    """The weights ``req`` runs on now are called ``version`` (no new weights)."""
-    spans = req.weight_spans
-    if not spans:  # not admitted yet: it starts under the new name
-        return
-    spans[-1][0] = version
-    if len(spans) > 1 and spans[-2][0] == version:
-        spans.pop()
+    """The weights ``req`` runs on now are called ``version`` (no new weights). A span
+    stays a span even when the name equals the one before: they are other weights."""
+    if req.weight_spans:  # else not admitted yet: it starts under the new name
+        req.weight_spans[-1][0] = version
