@@ -146,15 +146,17 @@ class Controller(FleetOperations):
         self.placement_group, self._first_bundle = saved.placement_group, saved.first_bundle
         self._owns_placement_group = saved.owns_placement_group
         self.draining, self.policy = saved.draining, saved.policy or self.policy
-        self.weights.restore(saved.weight_version, saved.replay, saved.stale)
-        logger.info("restored the fleet's checkpoint: weight version %d, draining %s, "
+        self.weights.restore(saved.weight_version, saved.replay, saved.stale,
+                             saved.weight_version_floor)
+        logger.info("restored the fleet's checkpoint: weight version %r, draining %s, "
                     "policy %s", saved.weight_version, saved.draining, self.policy)
 
     def _checkpoint(self) -> None:
         fleet_checkpoint.save(self.cfg.controller_name(), FleetCheckpoint(
             self.placement_group, self._first_bundle, self._owns_placement_group, self.draining,
             *self.weights.saved(), self.policy,
-            {r.worker_id: (r.generation, r.restarts) for r in self.registry}))
+            {r.worker_id: (r.generation, r.restarts) for r in self.registry},
+            weight_version_floor=self.weights.floor))
 
     def _owner_name(self) -> tuple[str, str]:
         """(name, namespace) under which the fleet's actors find their controller."""

@@ -35,6 +35,7 @@ from radixray.engine.faults import EngineFailed, EngineHealth, FaultInjector
 from radixray.engine.inputs import attach_bootstrap, build_requests
 from radixray.engine.messages import DEFAULT_GROUP
 from radixray.engine.streams import StepChannel
+from radixray.engine.weights.version import WeightVersion
 
 logger = logging.getLogger("radixray.worker")
 
@@ -361,12 +362,13 @@ class EngineWorker:
         return await asyncio.to_thread(self.engine.update_weights_from_distributed, names, dtypes,
                                        shapes, group_name)
 
-    async def prepare_weight_update(self, weight_version: int) -> dict:
+    async def prepare_weight_update(self, weight_version: WeightVersion | None = None) -> dict:
         """The first half of ending a session (fleet updates: every worker prepares, then
-        every worker commits); nothing serving changes."""
+        every worker commits); nothing serving changes. A refused version leaves the session
+        open with its staged weights."""
         return await asyncio.to_thread(self.engine.prepare_weight_update, weight_version)
 
-    async def commit_weight_update(self) -> int:
+    async def commit_weight_update(self) -> WeightVersion:
         return await self._later(self.engine.commit_weight_update)
 
     async def rollback_weight_update(self) -> bool:
@@ -378,11 +380,14 @@ class EngineWorker:
     async def abort_weight_update(self) -> bool:
         return self.engine.abort_weight_update()
 
-    async def end_weight_update(self, weight_version: int) -> dict:
+    async def end_weight_update(self, weight_version: WeightVersion | None = None) -> dict:
         return await asyncio.to_thread(self.engine.end_weight_update, weight_version)
 
-    async def get_weight_version(self) -> int:
+    async def get_weight_version(self) -> WeightVersion:
         return self.engine.get_weight_version()
+
+    async def update_weight_version(self, new_version: WeightVersion) -> dict:
+        return await self._later(self.engine.update_weight_version, new_version)
 
     async def metric_families(self) -> list:
         """This worker's Prometheus families (picklable) for the ingress's /metrics."""

@@ -31,11 +31,12 @@ class FleetCheckpoint:
     first_bundle: int = 0
     owns_placement_group: bool = True
     draining: bool = False
-    weight_version: int = 0
+    weight_version: int | str = 0  # an int or a string label (engine/weights/version.py)
     replay: object = None  # the last update (DiskWeights) when a worker can repeat it
     stale: set[str] = field(default_factory=set)
     policy: str | None = None  # the routing policy set at run time
     slots: dict[str, tuple[int, int]] = field(default_factory=dict)  # worker -> (gen, restarts)
+    weight_version_floor: int = 0  # the greatest int version served (an older pickle: 0)
 
 
 def _key(controller_name: str) -> bytes:

@@ -189,6 +189,14 @@ class FleetOperations:
         return {"weight_version": self.weights.version, "workers": versions}
 
     @after_rebuild
+    async def update_weight_version(self, new_version: int | str) -> dict:
+        """Rename the weights every live worker serves (no transfer; see
+        FleetWeights.relabel): ``{"weight_version", "previous_version", "workers"}``."""
+        result = await self.weights.relabel(self.registry.live(), new_version)
+        await self._publish()
+        return result
+
+    @after_rebuild
     async def init_weights_update_group(self, master_address: str, master_port: int,
                                         world_size: int, group_name: str = DEFAULT_GROUP,
                                         backend: str = "gloo", timeout_s: float = 600.0) -> dict:
@@ -213,13 +221,15 @@ class FleetOperations:
         return dict(zip((r.worker_id for r in live), left))
 
     @after_rebuild
-    async def update_weights(self, source: WeightSource, weight_version: int | None = None,
+    async def update_weights(self, source: WeightSource,
+                             weight_version: int | str | None = None,
                              pause_mode: str | None = "retract",
                              release_memory: list[str] = (), keep_paused: bool = False) -> dict:
         """One weight update on every live worker, all or none (see weight_rollout.py).
         ``source``: a cluster/weight_sources.py type (disk, tensor, distributed). The version
-        defaults to the fleet's current one + 1. Workers left stale by a restart take
-        requests again afterwards."""
+        is an int or a string label (engine/weights/version.py); it defaults to the next
+        integer, and a refused one raises VersionRefused with nothing started. Workers left
+        stale by a restart take requests again afterwards."""
         result = await self.weights.update(self.registry.live(), source, weight_version,
                                            pause_mode, list(release_memory), keep_paused)
         for rec in self.registry.live():

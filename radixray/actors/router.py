@@ -134,7 +134,7 @@ class RouterActor:
         self.router.set_policy(policy)
         logger.info("routing policy set to %s", policy)
 
-    async def set_weight_versions(self, versions: dict[str, int]) -> list[str]:
+    async def set_weight_versions(self, versions: dict[str, int | str]) -> list[str]:
         self.decode.set_weight_versions(versions)
         changed = self.router.set_weight_versions(versions)
         if changed:

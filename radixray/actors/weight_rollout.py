@@ -17,6 +17,12 @@ If any worker fails before every commit succeeded, every session is dropped and 
 worker that had committed rolls back, so all serve the old version, and the call
 raises :class:`FleetUpdateFailed` naming the worker and its error. Memory and pause
 are restored either way.
+
+The version (an int or a string label, engine/weights/version.py) is checked against the
+fleet's before phase 1, so a refused one (VersionRefused, a 400 naming weight_version over
+HTTP) pauses nothing, transfers nothing and leaves no session open on any worker; the
+caller sends the update again with a valid version. Every worker's own check passes then:
+each serves the fleet's version, and its integer floor is the fleet's or lower.
 """
 
 from __future__ import annotations
@@ -35,6 +41,12 @@ from radixray.cluster.weight_sources import (
     check_source,
 )
 from radixray.engine.control import PAUSE_MODES, RELEASABLE_DURING_UPDATE
+from radixray.engine.weights.version import (
+    WeightVersion,
+    check_version,
+    default_version,
+    raise_floor,
+)
 
 logger = logging.getLogger("radixray.controller")
 
@@ -89,7 +101,7 @@ async def _quietly(workers: dict, call) -> None:
             logger.warning("weight update clean-up on %s failed: %s", w, unwrap_ray_error(r))
 
 
-async def run_fleet_update(workers: dict, source: WeightSource, version: int,
+async def run_fleet_update(workers: dict, source: WeightSource, version: WeightVersion,
                            pause_mode: str | None = "retract", release: list[str] = (),
                            keep_paused: bool = False, phases: dict | None = None) -> dict:
     """Run the phases above on ``workers`` (worker id -> actor handle); returns
@@ -130,7 +142,7 @@ async def run_fleet_update(workers: dict, source: WeightSource, version: int,
         await _on_all(workers, lambda h: h.finish_weight_update.remote())
         committed = {}
     except BaseException as exc:
-        logger.error("fleet weight update to version %d failed, keeping the old weights: %s",
+        logger.error("fleet weight update to version %r failed, keeping the old weights: %s",
                      version, exc)
         await _quietly(committed, lambda h: h.rollback_weight_update.remote())
         await _quietly(workers, lambda h: h.abort_weight_update.remote())
@@ -156,30 +168,32 @@ class FleetWeights:
     """
 
     def __init__(self):
-        self.version = 0
+        self.version: WeightVersion = 0
+        self.floor = 0  # the greatest int version the fleet served (engine/weights/version.py)
         self.lock = asyncio.Lock()  # one update (or catch-up) at a time
         self.metrics = WeightUpdateMetrics()
         self.stale: set[str] = set()  # live workers left behind by a restart
         self._replay: WeightSource | None = None  # the last update, if a worker can repeat it
 
-    def saved(self) -> tuple[int, WeightSource | None, set[str]]:
+    def saved(self) -> tuple[WeightVersion, WeightSource | None, set[str]]:
         """(version, the update a restarted worker replays, stale workers) to checkpoint."""
         return self.version, self._replay, set(self.stale)
 
-    def restore(self, version: int, replay: WeightSource | None, stale: set[str]) -> None:
-        """Take back :meth:`saved`'s state (a restarted controller)."""
+    def restore(self, version: WeightVersion, replay: WeightSource | None, stale: set[str],
+                floor: int = 0) -> None:
+        """Take back :meth:`saved`'s state and the floor (a restarted controller)."""
         self.version, self._replay, self.stale = version, replay, set(stale)
+        self.floor = raise_floor(floor, version)
 
-    async def update(self, records: list, source: WeightSource, weight_version: int | None,
-                     pause_mode: str | None, release: list[str], keep_paused: bool) -> dict:
+    async def update(self, records: list, source: WeightSource,
+                     weight_version: WeightVersion | None, pause_mode: str | None,
+                     release: list[str], keep_paused: bool) -> dict:
         """Run one update on ``records`` (the live workers) from ``source``; set their
-        versions on success. The version defaults to the current one + 1."""
-        # here, not at the top: engine/weights/session.py needs torch, which the controller
-        # otherwise never imports (its start-up is on every fleet's critical path)
-        from radixray.engine.weights.session import check_version
+        versions on success. The version defaults to the next integer; a refused one raises
+        VersionRefused before anything starts."""
         async with self.lock:
-            version = check_version(self.version + 1 if weight_version is None
-                                    else weight_version, self.version)
+            version = check_version(default_version(self.floor) if weight_version is None
+                                    else weight_version, self.floor)
             check_source(source)
             phases: dict[str, float] = {}
             try:
@@ -190,11 +204,36 @@ class FleetWeights:
                 self.metrics.observe(phases, ok=False)
                 raise
             self.metrics.observe(phases, ok=True)
-            self.version = version
+            self.version, self.floor = version, raise_floor(self.floor, version)
             self._replay = source if isinstance(source, DiskWeights) else None
             for rec in records:
                 rec.weight_version = version
             return result
+
+    async def relabel(self, records: list, new_version: WeightVersion) -> dict:
+        """Rename the weights the live workers serve (no transfer; SGLang's
+        ``update_weight_version``); a stale worker keeps its own (other weights). A refused
+        version raises VersionRefused before any worker is asked. The fleet takes the new
+        name even when a worker fails (named in the FleetUpdateFailed): a restarted worker
+        replays the last update under it."""
+        async with self.lock:
+            version = check_version(new_version, self.floor)
+            previous = self.version
+            records = [r for r in records if r.worker_id not in self.stale]
+            ids = [r.worker_id for r in records]
+            results = await asyncio.gather(*(r.handle.update_weight_version.remote(version)
+                                             for r in records), return_exceptions=True)
+            self.version, self.floor = version, raise_floor(self.floor, version)
+            for rec, result in zip(records, results):
+                if not isinstance(result, BaseException):
+                    rec.weight_version = version
+            errors = {w: str(unwrap_ray_error(r)) for w, r in zip(ids, results)
+                      if isinstance(r, BaseException)}
+            if errors:
+                raise FleetUpdateFailed("; ".join(f"{w}: {e}" for w, e in errors.items()))
+            logger.info("fleet weight version %r renamed %r", previous, version)
+            return {"weight_version": version, "previous_version": previous,
+                    "workers": sorted(ids)}
 
     async def catch_up(self, rec) -> str | None:
         """Bring a just-started worker to the fleet's version; None when it serves it, else
@@ -217,5 +256,5 @@ class FleetWeights:
                 self.stale.add(rec.worker_id)
                 return f"could not take weight version {self.version}: {unwrap_ray_error(exc)}"
             rec.weight_version = self.version
-            logger.info("worker %s caught up to weight version %d", rec.worker_id, self.version)
+            logger.info("worker %s caught up to weight version %r", rec.worker_id, self.version)
             return None

@@ -37,6 +37,8 @@ class FleetControl(Protocol):
 
     async def get_weight_version(self) -> dict: ...
 
+    async def update_weight_version(self, new_version: int | str) -> dict: ...
+
     async def init_weights_update_group(self, master_address: str, master_port: int,
                                         world_size: int, group_name: str = DEFAULT_GROUP,
                                         backend: str = "gloo",
@@ -44,7 +46,8 @@ class FleetControl(Protocol):
 
     async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> dict: ...
 
-    async def update_weights(self, source: WeightSource, weight_version: int | None = None,
+    async def update_weights(self, source: WeightSource,
+                             weight_version: int | str | None = None,
                              pause_mode: str | None = "retract",
                              release_memory: list[str] = (), keep_paused: bool = False
                              ) -> dict: ...

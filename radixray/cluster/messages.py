@@ -50,7 +50,7 @@ class WorkerInfo:
     kv_layout: KVLayout | None = None
     generation: int = 0  # the incarnation of its slot (the controller's count)
     started_at: float = 0.0  # wall clock when the actor was created
-    weight_version: int = 0
+    weight_version: int | str = 0  # an int or a string label (engine/weights/version.py)
     pid: int = 0  # the actor's process
 
 
@@ -72,7 +72,7 @@ class WorkerLoad:
     engine_failed: bool = False
     paused: str | None = None  # the pause mode while generation is paused
     inflight: int = 0  # requests of this worker's open channels not finished yet
-    weight_version: int = 0
+    weight_version: int | str = 0
     memory_released: list[str] = field(default_factory=list)  # tags released now
     num_used_tokens: int = 0  # KV slots held by requests or the cache
     max_total_num_tokens: int = 0  # the KV pool's size

@@ -147,12 +147,11 @@ class WorkerMetrics:
         for name, doc in (("token_usage", "Share of the KV pool in use (requests + cache)."),
                           ("gen_throughput", "Decode tokens per second over the last log interval."),
                           ("engine_failed", "1 once the engine stopped serving after repeated "
-                           "step faults (the controller then restarts the worker)."),
-                          ("weight_version", "The version of the weights the worker serves (0: "
-                           "as loaded; each weight update names a greater one).")):
+                           "step faults (the controller then restarts the worker).")):
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["worker"])
             g.add_metric(w, float(getattr(snapshot, name)))
             out.append(g)
+        out += weight_version_families(w, snapshot.weight_version)
         for name, key, doc in (
                 ("prompt_tokens", "prompt_tokens", "Prompt tokens of requests."),
                 ("generation_tokens", "generation_tokens", "Generated tokens."),
@@ -179,6 +178,25 @@ class WorkerMetrics:
         if snapshot.spec is not None:
             out += spec_families(w, snapshot.spec)
         return out
+
+
+def weight_version_families(w: list[str], version: int | str) -> list[Metric]:
+    """The served weight version: ``weight_version_info`` always (the version as a label,
+    value 1), and the ``weight_version`` gauge while the version is an int (a string label
+    such as "v1" has no number; the gauge is then absent)."""
+    info = GaugeMetricFamily(PREFIX + "weight_version_info", "The version of the weights the "
+                             "worker serves, as the weight_version label (an int or a string "
+                             "label such as a step tag); the value is always 1.",
+                             labels=["worker", "weight_version"])
+    info.add_metric(w + [str(version)], 1.0)
+    if not isinstance(version, int):
+        return [info]
+    g = GaugeMetricFamily(PREFIX + "weight_version", "The integer version of the weights the "
+                          "worker serves (0: as loaded; each integer update names a greater "
+                          "one); absent while a string label serves (see weight_version_info).",
+                          labels=["worker"])
+    g.add_metric(w, float(version))
+    return [g, info]
 
 
 def hicache_families(w: list[str], snapshot: WorkerLoad) -> list[Metric]:

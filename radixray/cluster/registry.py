@@ -33,7 +33,7 @@ class WorkerRecord:
     handle: object = None
     generation: int = 0
     restarts: int = 0
-    weight_version: int = 0  # a new incarnation serves the weights it loaded (0)
+    weight_version: int | str = 0  # a new incarnation serves the weights it loaded (0)
     started_at: float = field(default_factory=time.time)
     ready_at: float | None = None
     last_ping_at: float | None = None

@@ -111,7 +111,7 @@ class Router:
         self._last_evict = clock()
         self._reasons: Counter[str] = Counter()
         self._picks: Counter[str] = Counter()
-        self._versions: dict[str, int] = {}  # worker -> weight version its tree entries hold
+        self._versions: dict[str, int | str] = {}  # worker -> weight version its tree entries hold
 
     @property
     def settings(self) -> RouterSettings:
@@ -274,7 +274,7 @@ class Router:
         self._sessions.clear()
         self._rr_last = None
 
-    def set_weight_versions(self, versions: dict[str, int]) -> list[str]:
+    def set_weight_versions(self, versions: dict[str, int | str]) -> list[str]:
         """Record each worker's weight version. A worker whose version changed loses its tree
         entries: the prefixes it cached under older weights are never reused (its radix cache
         retires them), so routing there for them would buy nothing. Returns those workers."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from radixray.engine.messages import DEFAULT_GROUP
+from radixray.engine.weights.version import WeightVersion
 
 if TYPE_CHECKING:
     from radixray.engine.faults import FaultInjector
@@ -92,7 +93,7 @@ class EngineSnapshot:
     engine_failed: bool
     paused: str | None  # the pause mode while generation is paused
     kv_slot_leak: int  # the last KV audit's difference (engine/mem_cache/kv_audit.py)
-    weight_version: int
+    weight_version: WeightVersion  # an int or a string label (engine/weights/version.py)
     weight_load_seconds: float
     memory_released: list[str] = field(default_factory=list)  # tags released now
     forward_steps: int = 0
@@ -231,11 +232,12 @@ class EngineControl(Protocol):
                                         group_name: str = DEFAULT_GROUP) -> dict:
         """Receive the trainer's broadcast of ``names`` into the open session."""
 
-    def prepare_weight_update(self, weight_version: int) -> dict:
+    def prepare_weight_update(self, weight_version: WeightVersion | None = None) -> dict:
         """First half of ending a session: check and ready the staged weights as
-        ``weight_version``; nothing serving changes."""
+        ``weight_version`` (engine/weights/version.py; None: the next int); nothing serving
+        changes. A refused version raises VersionRefused and the session stays open."""
 
-    def commit_weight_update(self) -> int:
+    def commit_weight_update(self) -> WeightVersion:
         """Serve the prepared weights from the next step on; returns the version."""
 
     def rollback_weight_update(self) -> bool:
@@ -244,14 +246,20 @@ class EngineControl(Protocol):
     def finish_weight_update(self) -> dict:
         """Close the committed session; the version and each phase's time."""
 
-    def end_weight_update(self, weight_version: int) -> dict:
-        """Prepare, commit and finish in one call."""
+    def end_weight_update(self, weight_version: WeightVersion | None = None) -> dict:
+        """Prepare, commit and finish in one call (a refused version: VersionRefused, the
+        session stays open with its staged weights)."""
 
     def abort_weight_update(self) -> bool:
         """Drop the open session; the current weights go on serving."""
 
-    def get_weight_version(self) -> int:
-        """The version of the weights serving now."""
+    def get_weight_version(self) -> WeightVersion:
+        """The version of the weights serving now (an int or a string label)."""
+
+    def update_weight_version(self, new_version: WeightVersion) -> dict:
+        """Rename the weights serving now (SGLang's ``update_weight_version``; the weights
+        and the prefix cache stay): ``{"weight_version", "previous_version"}``. A refused
+        version raises VersionRefused and changes nothing."""
 
 
 def verbs_of(protocol: type) -> list[str]:

@@ -39,6 +39,7 @@ from radixray.engine.streams import (
 )
 from radixray.engine.weights.loader import resolve_model
 from radixray.engine.weights.session import DEFAULT_GROUP, WeightUpdater
+from radixray.engine.weights.version import WeightVersion
 
 logger = logging.getLogger(__name__)
 
@@ -392,12 +393,12 @@ class Engine:
                                         group_name: str = DEFAULT_GROUP) -> dict:
         return self.weights.update_from_distributed(names, dtypes, shapes, group_name)
 
-    def prepare_weight_update(self, weight_version: int) -> dict:
+    def prepare_weight_update(self, weight_version: WeightVersion | None = None) -> dict:
         self._weight_fault_point("prepare")
         return self.weights.prepare(weight_version)
 
     @scheduler_verb(LONG_LOOP_TIMEOUT_S)
-    def commit_weight_update(self) -> int:
+    def commit_weight_update(self) -> WeightVersion:
         self._weight_fault_point("commit")
         return self.weights.commit(self.scheduler)
 
@@ -408,9 +409,11 @@ class Engine:
     def finish_weight_update(self) -> dict:
         return self.weights.finish()
 
-    def end_weight_update(self, weight_version: int) -> dict:
-        """Serve the session's weights from the next step on as ``weight_version`` (greater
-        than the current one); the version and the time of each phase."""
+    def end_weight_update(self, weight_version: WeightVersion | None = None) -> dict:
+        """Serve the session's weights from the next step on as ``weight_version`` (an int
+        greater than every int served before, or a string label; None: the next int); the
+        version and the time of each phase. A refused version (VersionRefused) leaves the
+        session open with its staged weights, to end again with a valid version."""
         self.weights.prepare(weight_version)
         try:
             self.call_in_loop(self.weights.commit)
@@ -422,8 +425,12 @@ class Engine:
     def abort_weight_update(self) -> bool:
         return self.weights.abort()
 
-    def get_weight_version(self) -> int:
+    def get_weight_version(self) -> WeightVersion:
         return self.weights.version
+
+    @scheduler_verb()
+    def update_weight_version(self, new_version: WeightVersion) -> dict:
+        return self.weights.relabel(self.scheduler, new_version)
 
     def _weight_fault_point(self, phase: str) -> None:
         if self._faults is not None:

@@ -30,7 +30,7 @@ class MetaInfo:
     first_token_latency: float | None
     e2e_latency: float | None
     num_retractions: int
-    weight_version: int = 0  # the weights that produced its last token
+    weight_version: int | str = 0  # the weights that produced its last token
     # [{"weight_version", "start", "end"}] output token index ranges per version, when
     # the request lived through a weight update (None otherwise)
     weight_versions: list[dict] | None = None
@@ -45,7 +45,7 @@ class MetaInfo:
     spec_accept_length: float | None = None
 
     @classmethod
-    def of(cls, req: Req, weight_version: int = 0) -> MetaInfo:
+    def of(cls, req: Req, weight_version: int | str = 0) -> MetaInfo:
         """``weight_version``: the engine's version now, for a request never admitted."""
         t0 = req.arrival_time
         spans = req.weight_spans
@@ -89,7 +89,7 @@ class MetaInfo:
         return out
 
 
-def version_ranges(spans: list[list[int]], n_output: int) -> list[dict]:
+def version_ranges(spans: list[list], n_output: int) -> list[dict]:
     """``[[version, first index], ...]`` -> ``[{"weight_version", "start", "end"}]`` over the
     ``n_output`` output tokens (``end`` exclusive)."""
     ends = [start for _, start in spans[1:]] + [n_output]

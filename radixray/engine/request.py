@@ -70,8 +70,9 @@ class Req:
     kv_reserved: int = 0
     cache_locked_len: int = 0
     last_node: object | None = None
-    # the weight version the KV so far was computed under (set at admission); KV of an
-    # older version is never shared through the prefix cache (engine/mem_cache/kv_manager.py)
+    # the weights (the cache's generation) the KV so far was computed under (set at
+    # admission); KV of older weights is never shared through the prefix cache
+    # (engine/mem_cache/kv_manager.py)
     kv_version: int = 0
     # length of this step's new tokens (set when scheduled)
     extend_len: int = 0
@@ -95,9 +96,10 @@ class Req:
     generator: torch.Generator | None = None
     # how many output tokens have been handed to the caller
     emitted: int = 0
-    # [weight version, index of the first output token it produced], one per version the
-    # request lived under (set at admission, extended by each weight update it lives through)
-    weight_spans: list[list[int]] = field(default_factory=list)
+    # [weight version (int or string label), index of the first output token it produced],
+    # one per version the request lived under (set at admission, extended by each weight
+    # update it lives through)
+    weight_spans: list[list] = field(default_factory=list)
     # disaggregation: the bootstrap room and the pair's other worker (PDBootstrap) while the
     # request is one half of a prefill-decode pair; None otherwise
     pd: object | None = None

@@ -49,7 +49,7 @@ class Subscriber:
     channel: StepChannel | None = None
 
 
-def take_update(req: Req, weight_version: int = 0) -> RequestUpdate:
+def take_update(req: Req, weight_version: int | str = 0) -> RequestUpdate:
     """The output ``req`` produced since its last update (and its MetaInfo once finished;
     ``weight_version``: the engine's current one)."""
     update = RequestUpdate(req.rid, req.output_ids[req.emitted:])
@@ -76,7 +76,7 @@ class Subscribers:
     whose reader went away. :meth:`deliver` runs on the scheduler thread; the rest on any.
     """
 
-    def __init__(self, stream_interval: int, weight_version: Callable[[], int],
+    def __init__(self, stream_interval: int, weight_version: Callable[[], int | str],
                  abort: Callable[[str], None]):
         self.stream_interval = stream_interval
         self.weight_version, self.abort = weight_version, abort
@@ -169,7 +169,7 @@ class StreamChunks:
         return chunk
 
 
-def finished_result(req: Req, tokenizer, weight_version: int) -> dict:
+def finished_result(req: Req, tokenizer, weight_version: int | str) -> dict:
     """A finished request as ``Engine.generate`` returns it: text (stop strings and
     incomplete characters held back as in a stream), ids, meta_info, logprobs if asked:
     ``output_token_logprobs`` (one per output id) and ``input_token_logprobs`` (one per

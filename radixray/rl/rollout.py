@@ -35,7 +35,7 @@ class Sample:
     output_ids: list[int]
     logprobs: list[float]
     text: str
-    weight_version: int
+    weight_version: int | str  # the weights that produced its last token (an int or a label)
     worker_id: str
     cached_tokens: int
     finish_reason: str

@@ -8,7 +8,7 @@ GET /v1/models, /metrics, /health, /health_generate, /ready; fleet admin: GET
 RL control (every worker; see actors/weight_rollout.py): POST /pause_generation,
 /continue_generation, /release_memory_occupation, /resume_memory_occupation,
 /update_weights_from_disk, /init_weights_update_group, /update_weights_from_distributed,
-/destroy_weights_update_group;
+/destroy_weights_update_group, /update_weight_version (a new name, no transfer);
 GET /get_weight_version. Tensor updates from a colocated trainer go through the
 controller's Ray handle (``update_weights`` with a tensor source), not HTTP.
 Every error is an OpenAI-style ``{"error": {...}}`` body; schema errors are 400
@@ -49,6 +49,7 @@ from radixray.serve.protocol import (
     RouterUpdate,
     UpdateWeightsFromDisk,
     UpdateWeightsFromDistributed,
+    UpdateWeightVersion,
 )
 
 logger = logging.getLogger("radixray.ingress")
@@ -331,6 +332,14 @@ class Ingress:
     @app.get("/get_weight_version")
     async def get_weight_version(self):
         return await self._admin(self.controller.get_weight_version.remote())
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(self, body: UpdateWeightVersion):
+        """SGLang's: rename the weights every worker serves (no transfer)."""
+        result = await self._admin(self.controller.update_weight_version.remote(
+            body.new_version))
+        return {"success": True, "message": f"weight version updated to {body.new_version!r}",
+                "new_version": result["weight_version"], **result}
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(self, body: UpdateWeightsFromDisk):

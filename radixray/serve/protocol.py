@@ -14,12 +14,13 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from radixray.cluster.routing import PolicyName
 from radixray.engine.control import MemoryTag, PauseMode, ReleasableDuringUpdate
 from radixray.engine.grammar.spec import JSON_OBJECT_SCHEMA
 from radixray.engine.sampling import bounds
+from radixray.engine.weights.version import check_version
 
 
 def _engine_bounded(name: str, default=None):
@@ -199,10 +200,19 @@ class _FleetUpdate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    weight_version: int | None = Field(None, ge=1, description="default: the current one + 1")
+    weight_version: int | str | None = Field(None, description=(
+        "an int greater than every int version served so far, or a string label as in SGLang "
+        "('v1', a step tag; no order, may repeat); default: the next int"))
     pause_mode: PauseMode | None = "retract"
     release_memory: list[ReleasableDuringUpdate] = []
     keep_paused: bool = False
+
+    @field_validator("weight_version", mode="before")
+    @classmethod
+    def _version_shape(cls, v):
+        """An int >= 1 (not a bool or a float) or a non-empty label; the fleet checks the
+        order against the versions it served."""
+        return v if v is None else check_version(v, 0, "the first load is version 0")
 
 
 class UpdateWeightsFromDisk(_FleetUpdate):
@@ -210,6 +220,30 @@ class UpdateWeightsFromDisk(_FleetUpdate):
     worker can read."""
 
     model_path: str = Field(min_length=1)
+
+
+class UpdateWeightVersion(BaseModel):
+    """POST /update_weight_version (SGLang's): rename the weights every worker serves, no
+    transfer; the same rules as an update's weight_version."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    new_version: int | str = Field(description="an int greater than every int version served "
+                                   "so far, or a string label")
+    abort_all_requests: bool = Field(False, description="not supported: true is refused")
+
+    @field_validator("new_version", mode="before")
+    @classmethod
+    def _version_shape(cls, v):
+        return check_version(v, 0, "the first load is version 0")
+
+    @field_validator("abort_all_requests")
+    @classmethod
+    def _no_abort(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("abort_all_requests is not supported here: abort the requests "
+                             "first (POST /abort_request with abort_all), then rename")
+        return v
 
 
 class DestroyWeightsUpdateGroup(BaseModel):

@@ -8,6 +8,7 @@ import asyncio
 import inspect
 
 import pytest
+import torch
 
 from radixray.actors.controller import Controller
 from radixray.actors.engine_worker import EngineWorker
@@ -19,6 +20,7 @@ from radixray.engine.control import (
 )
 from radixray.engine.engine import Engine
 from radixray.engine.faults import FailWeightUpdate, FaultInjector
+from radixray.engine.weights.version import VersionRefused
 
 # Methods Engine and EngineWorker share that are not control verbs: the pair's transport
 # (room messages, status and the handshake) and the lifecycle.
@@ -124,6 +126,18 @@ def test_the_worker_runs_the_engines_verbs(tiny_llama_dir):
             await worker.prepare_weight_update(1)
         assert await worker.abort_weight_update() is True
         assert await worker.get_weight_version() == 0
+        await worker.attach_fault_injector(None)
+        await worker.begin_weight_update()
+        await worker.update_weights_from_tensor({"model.norm.weight": torch.ones(64)})
+        with pytest.raises(VersionRefused, match="weight_version"):
+            await worker.end_weight_update(0)  # refused: the session and its tensor stay
+        assert (await worker.end_weight_update("v1"))["weight_version"] == "v1"
+        assert await worker.get_weight_version() == "v1"
+        assert (await worker.load()).weight_version == "v1"
+        renamed = await worker.update_weight_version("v1-final")
+        assert renamed == {"weight_version": "v1-final", "previous_version": "v1"}
+        names = {f.name for f in await worker.metric_families()}
+        assert "radixray:weight_version_info" in names and "radixray:weight_version" not in names
     try:
         asyncio.run(run())
     finally:

@@ -267,7 +267,7 @@ def test_fleet_wide_weight_updates_are_all_or_none(fleet, tiny_llama_dir, tmp_pa
 
     bad = httpx.post(f"{fleet}/update_weights_from_disk", json={
         "model_path": str(tmp_path / "v2"), "weight_version": 1}, timeout=60)
-    assert bad.status_code == 400 and "greater than the current weight version 1" in bad.text
+    assert bad.status_code == 400 and "weight_version must be an integer greater than 1" in bad.text
     r = httpx.post(f"{fleet}/update_weights_from_disk", json={
         "model_path": str(tmp_path / "v2"), "weight_version": 4, "pause_mode": "abort",
         "release_memory": ["kv_cache"]}, timeout=120)
@@ -294,6 +294,65 @@ def test_fleet_wide_weight_updates_are_all_or_none(fleet, tiny_llama_dir, tmp_pa
     _admin(fleet, "/resume_memory_occupation", {})
     _admin(fleet, "/continue_generation")
     _assert_serves(fleet, hf, prompts, 4)
+    _wait_idle(fleet)
+
+
+def test_string_weight_versions_over_http(fleet, tiny_llama_dir, tmp_path):
+    """SGLang's RL clients send step tags: an update from disk as "v1" is stamped on GET
+    /get_weight_version, /metrics (an info label) and /generate's meta_info; ints keep
+    their order after a label; a refused version is a 400 naming weight_version that
+    changes nothing, and the next valid call succeeds (the same label again included);
+    POST /update_weight_version renames the weights serving."""
+    import torch
+    from model_fixtures import random_prompts
+    from transformers import AutoModelForCausalLM
+    from weight_helpers import perturb
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    prompts = random_prompts(hf.config.vocab_size)[5:6]
+    s1 = {n: p.clone() for n, p in perturb(hf, seed=31).items()}
+    hf.save_pretrained(tmp_path / "s1", safe_serialization=True)
+    perturb(hf, seed=32)
+    hf.save_pretrained(tmp_path / "s2", safe_serialization=True)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            p.copy_(s1[n])
+    start = _versions(fleet)["weight_version"]
+    assert isinstance(start, int)
+
+    def update(path: str, version) -> httpx.Response:
+        return httpx.post(f"{fleet}/update_weights_from_disk", json={
+            "model_path": str(tmp_path / path), "weight_version": version}, timeout=120)
+
+    r = update("s1", "v1")
+    assert r.status_code == 200 and r.json()["weight_version"] == "v1", r.text
+    assert _versions(fleet) == {"weight_version": "v1",
+                                "workers": {"worker-0": "v1", "worker-1": "v1"}}
+    page = httpx.get(f"{fleet}/metrics").text
+    assert metric(page, "radixray:weight_version_info", worker="worker-1", weight_version="v1") == 1
+    assert "radixray:weight_version{" not in page  # no number while a label serves
+    r = update("s2", start + 1)
+    assert r.status_code == 200 and r.json()["weight_version"] == start + 1, r.text
+    for refused in (start + 1, 1):
+        bad = update("s1", refused)
+        assert bad.status_code == 400, bad.text
+        assert f"weight_version must be an integer greater than {start + 1}" in bad.text
+    bad = update("s1", "")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "weight_version", bad.text
+    assert _versions(fleet)["workers"] == {"worker-0": start + 1, "worker-1": start + 1}
+    for _ in range(2):  # a label may repeat, as SGLang's clients send it on every bucket
+        r = update("s1", "v1")
+        assert r.status_code == 200 and r.json()["weight_version"] == "v1", r.text
+    rename = httpx.post(f"{fleet}/update_weight_version", json={"new_version": start + 1})
+    assert rename.status_code == 400 and "greater than" in rename.text, rename.text
+    rename = httpx.post(f"{fleet}/update_weight_version", json={"new_version": "v1-final",
+                                                                "abort_all_requests": True})
+    assert rename.status_code == 400, rename.text
+    assert rename.json()["error"]["param"] == "abort_all_requests"
+    rename = httpx.post(f"{fleet}/update_weight_version", json={"new_version": "v1-final"})
+    assert rename.status_code == 200 and rename.json()["new_version"] == "v1-final", rename.text
+    assert _versions(fleet) == {"weight_version": "v1-final",
+                                "workers": {"worker-0": "v1-final", "worker-1": "v1-final"}}
+    _assert_serves(fleet, hf, prompts, "v1-final")
     _wait_idle(fleet)
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from radixray.actors.weight_rollout import FleetUpdateFailed, FleetWeights, run_fleet_update
 from radixray.cluster.weight_sources import DiskWeights, TensorWeights
+from radixray.engine.weights.version import VersionRefused
 
 
 class FakeWorker:
@@ -36,6 +37,8 @@ class FakeWorker:
                         worker.version, worker.old = args[0] if args else worker.staged, worker.version
                     elif method == "rollback_weight_update":
                         worker.version = worker.old
+                    elif method == "update_weight_version":
+                        worker.version = args[0]
                     return method
                 return run()
         return _Method
@@ -45,7 +48,7 @@ class FakeWorker:
 class Rec:
     worker_id: str
     handle: FakeWorker
-    weight_version: int = 0
+    weight_version: int | str = 0
 
 
 DISK = DiskWeights("/ckpt")
@@ -109,7 +112,7 @@ def test_a_restarted_worker_replays_a_disk_update_or_stays_stale_after_a_tensor_
     assert _run(weights.catch_up(fresh)) is None
     assert fresh.weight_version == 1 and fresh.handle.calls == [
         "begin_weight_update", "update_weights_from_disk", "end_weight_update"]
-    with pytest.raises(ValueError, match="greater than the current weight version 1"):
+    with pytest.raises(ValueError, match="weight_version must be an integer greater than 1"):
         _run(weights.update(recs, DISK, 1, "retract", [], False))
     _run(weights.update(recs, TensorWeights(payload="ref"), 5, "retract", [], False))
     late = Rec("d", FakeWorker("d"))
@@ -119,3 +122,50 @@ def test_a_restarted_worker_replays_a_disk_update_or_stays_stale_after_a_tensor_
     weights._replay = _source()
     assert "could not take weight version 5" in _run(weights.catch_up(broken))
     assert "abort_weight_update" in broken.handle.calls and weights.stale == {"d", "e"}
+
+
+def test_string_labels_and_a_refused_version_over_the_fleet():
+    """A label is stamped on every worker and may repeat; an int not above every int the
+    fleet served is refused before any worker is paused or opens a session, and the next
+    valid call succeeds; a restored controller keeps the bound."""
+    weights = FleetWeights()
+    recs = [Rec("a", FakeWorker("a")), Rec("b", FakeWorker("b"))]
+    _run(weights.update(recs, DISK, 4, "retract", [], False))
+    out = _run(weights.update(recs, DISK, "v1", "retract", [], False))
+    assert out["weight_version"] == "v1" and weights.version == "v1"
+    assert [(r.weight_version, r.handle.version) for r in recs] == [("v1", "v1"), ("v1", "v1")]
+    calls = [list(r.handle.calls) for r in recs]
+    for refused in (4, 3):
+        with pytest.raises(VersionRefused, match="weight_version must be an integer greater "
+                                                 "than 4"):
+            _run(weights.update(recs, DISK, refused, "retract", [], False))
+    assert [r.handle.calls for r in recs] == calls  # nothing paused, staged or opened
+    assert weights.version == "v1"
+    assert _run(weights.update(recs, DISK, "v1", "retract", [], False))["weight_version"] == "v1"
+    assert _run(weights.update(recs, DISK, None, "retract", [], False))["weight_version"] == 5
+    restored = FleetWeights()
+    restored.restore("v2", DISK, set(), 5)
+    with pytest.raises(VersionRefused, match="greater than 5"):
+        _run(restored.update(recs, DISK, 5, "retract", [], False))
+    fresh = Rec("c", FakeWorker("c"))
+    assert _run(restored.catch_up(fresh)) is None and fresh.weight_version == "v2"
+
+
+def test_a_fleet_rename_checks_first_and_names_a_worker_that_failed():
+    weights = FleetWeights()
+    recs = [Rec("a", FakeWorker("a")), Rec("b", FakeWorker("b", fail="update_weight_version"))]
+    _run(weights.update(recs, DISK, 2, "retract", [], False))
+    calls = [list(r.handle.calls) for r in recs]
+    with pytest.raises(VersionRefused, match="greater than 2"):
+        _run(weights.relabel(recs, 2))
+    assert [r.handle.calls for r in recs] == calls and weights.version == 2
+    with pytest.raises(FleetUpdateFailed, match="b: update_weight_version broke on b"):
+        _run(weights.relabel(recs, "step-2"))
+    assert weights.version == "step-2" and [r.weight_version for r in recs] == ["step-2", 2]
+    out = _run(weights.relabel(recs, 3))
+    assert out == {"weight_version": 3, "previous_version": "step-2", "workers": ["a", "b"]}
+    assert [(r.weight_version, r.handle.version) for r in recs] == [(3, 3), (3, 3)]
+    weights.stale = {"b"}  # left behind by a restart: it serves other weights
+    recs[1].weight_version = recs[1].handle.version = 0
+    assert _run(weights.relabel(recs, "step-3"))["workers"] == ["a"]
+    assert [r.weight_version for r in recs] == ["step-3", 0] and recs[1].handle.version == 0

@@ -15,6 +15,7 @@ from serving_helpers import free_port
 from weight_helpers import GREEDY_N, assert_matches_hf, perturb
 
 from radixray import Engine
+from radixray.engine.weights.version import VersionRefused
 
 NEW = 24
 
@@ -151,12 +152,14 @@ def test_bad_sessions_are_refused_and_the_old_weights_keep_serving(tiny_llama_di
         eng.begin_weight_update()
         with pytest.raises(ValueError, match="'model.layers.9.mlp.up_proj.weight' has no matching"):
             eng.update_weights_from_tensor({"model.layers.9.mlp.up_proj.weight": torch.zeros(1)})
-        for version in (0, -1, "3", 1.5, True):
-            eng.begin_weight_update()
-            eng.update_weights_from_tensor(named)
-            with pytest.raises(ValueError, match="greater than the current weight version 0"):
+        eng.begin_weight_update()
+        eng.update_weights_from_tensor(named)
+        for version, why in ((0, "greater than 0"), (-1, "greater than 0"), (1.5, "float"),
+                             (True, "bool"), ("", "1 to 256 characters")):
+            with pytest.raises(VersionRefused, match=f"weight_version.*{why}"):
                 eng.end_weight_update(version)
         _serves_unchanged(eng, prompts, expected, 0)
+        assert eng.abort_weight_update() is True  # a refused version kept the session open
         assert eng.abort_weight_update() is False
         eng.begin_weight_update()
         eng.update_weights_from_tensor(named)
@@ -182,8 +185,8 @@ def test_a_prefix_cached_before_an_update_is_not_reused_after_it(tiny_llama_dir)
         eng.check_kv_conservation()
 
 
-@pytest.mark.parametrize("mode", ["in_place", "retract"])
-def test_a_request_living_through_an_update_reports_version_spans(tiny_llama_dir, mode):
+@pytest.mark.parametrize("mode, version", [("in_place", 7), ("retract", "v7")])
+def test_a_request_living_through_an_update_reports_version_spans(tiny_llama_dir, mode, version):
     hf = _hf(tiny_llama_dir)
     named = perturb(hf, seed=6)
     with _engine(tiny_llama_dir) as eng:
@@ -194,14 +197,14 @@ def test_a_request_living_through_an_update_reports_version_spans(tiny_llama_dir
         produced = eng.call_in_loop(lambda s: [len(r.output_ids) for r in s.queues.running + s.queues.waiting])[0]
         eng.begin_weight_update()
         eng.update_weights_from_tensor(named)
-        eng.end_weight_update(7)
+        eng.end_weight_update(version)
         eng.continue_generation()
         t.join(120)
         meta = box["out"]["meta_info"]
-        assert meta["weight_version"] == 7
+        assert meta["weight_version"] == version
         assert meta["weight_versions"] == [
             {"weight_version": 0, "start": 0, "end": produced},
-            {"weight_version": 7, "start": produced, "end": 400}]
+            {"weight_version": version, "start": produced, "end": 400}]
         assert (meta["num_retractions"] == 1) == (mode == "retract")
         eng.check_kv_conservation()
 

@@ -5,7 +5,8 @@ request (slots past its locked prefix), or the radix tree. ``check_conservation`
 asserts ``free + request-held + cache-held == pool size``.
 
 Weight versions: a request's KV is shared through the prefix cache only under the
-weight version it was admitted under (``Req.kv_version``). After
+weights it was admitted under (``Req.kv_version``, the cache's generation then: an int
+that every weight change advances, whatever the user-facing version label is). After
 :meth:`KVManager.on_weight_version` a request admitted earlier (one paused in place
 across the update) goes on using its own KV but never inserts it into the cache;
 when it ends its KV is freed. New requests, retracted ones included, match and
@@ -33,6 +34,8 @@ class KVManager:
         self.req_pool = req_pool
         self.cache = cache
         self.table = req_pool.table
+        # the user-facing weight version new requests' weight_spans start with
+        self.weight_label: int | str = cache.version
 
     @property
     def pool_size(self) -> int:
@@ -83,7 +86,7 @@ class KVManager:
         req.kv_len = req.cache_locked_len = n
         req.kv_version = self.cache.version
         if not req.weight_spans:  # its first token will come from the weights serving now
-            req.weight_spans.append([self.cache.version, 0])
+            req.weight_spans.append([self.weight_label, 0])
         return True
 
     def extend(self, req: Req, n: int) -> torch.Tensor | None:
@@ -159,11 +162,17 @@ class KVManager:
         req.last_node = None
         req.kv_len = req.cache_locked_len = 0
 
-    def on_weight_version(self, version: int) -> None:
-        """New weights (``version``) went live: cached KV of older versions is never matched
-        again, and requests admitted before keep but no longer share their KV. Call it on
-        the scheduler thread between steps."""
-        self.cache.set_version(version)
+    def on_weight_version(self, generation: int, label: int | str | None = None) -> None:
+        """New weights went live: ``generation`` keys the cache from now on (an int never
+        used before), ``label`` is their user-facing version (default: ``generation``).
+        Cached KV of older generations is never matched again, and requests admitted
+        before keep but no longer share their KV. Scheduler thread, between steps."""
+        self.cache.set_version(generation)
+        self.weight_label = generation if label is None else label
+
+    def rename_weights(self, label: int | str) -> None:
+        """The weights serving now are called ``label`` (no new weights: the cache stays)."""
+        self.weight_label = label
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix. Only possible while no request holds a row."""

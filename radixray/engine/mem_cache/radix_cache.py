@@ -94,8 +94,9 @@ class RadixCache:
     the scheduler can use the same code path with the cache off.
     ``eviction_policy``: ``"lru"`` evicts the least recently matched leaf first;
     ``"lfu"`` the least often matched one (ties broken by recency).
-    ``version`` is the weight version the current tree's KV belongs to (see
-    ``set_version``).
+    ``version`` is the weights the current tree's KV belongs to (see ``set_version``;
+    the engine passes its weight generation, an int that every weight change advances,
+    not the user-facing version label).
     """
 
     def __init__(self, allocator: TokenSlotAllocator | None, *, disable: bool = False,

@@ -15,8 +15,11 @@ thread between steps: swap the new tensors in, bump the version, start a new
 :meth:`WeightUpdater.finish` (drop the old tensors); :meth:`WeightUpdater.rollback`
 undoes a commit not yet finished.
 
-Versions are integers that only grow: the first load is version 0, and each session
-names a version greater than the current one.
+Versions (:mod:`radixray.engine.weights.version`) are ints that only grow (the first load
+is 0) or string labels as in SGLang (``"v1"``). A refused version leaves the session open
+with its staged weights: the caller ends it again with a valid version. The prefix cache
+is keyed by :attr:`WeightUpdater.generation`, which every commit and rollback advances,
+never by the version, so a label named twice never lets KV of other weights match.
 
 A session stages against the expert placement it began on (EPLB: which slots hold
 copies of which expert), so the placement must hold still from ``begin`` to
@@ -39,18 +42,16 @@ import torch
 from radixray.engine.messages import DEFAULT_GROUP  # noqa: F401 - part of this module's API
 from radixray.engine.weights.layout import Prepared, Undo, WeightLayout, WeightStage
 from radixray.engine.weights.sync import broadcast, close_group, dtype_from_name, open_group
+from radixray.engine.weights.version import (
+    WeightVersion,
+    check_version,
+    default_version,
+    raise_floor,
+)
 
 logger = logging.getLogger(__name__)
 
 SESSION_OPEN = "a weight-update session is open"  # WeightUpdater.exclusive's reason
-
-
-def check_version(version, current: int) -> int:
-    """``version`` as an int greater than ``current``; ValueError names the bound."""
-    if isinstance(version, bool) or not isinstance(version, int) or version <= current:
-        raise ValueError(f"weight_version must be an integer greater than the current weight "
-                         f"version {current}, got {version!r}")
-    return version
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -73,11 +74,13 @@ class WeightUpdater:
         self.runner = runner
         self.scheduler = scheduler
         self.memory = memory
-        self.version = 0
+        self.version: WeightVersion = 0  # the label of the weights serving now
+        self.floor = 0  # the greatest int version served (version.check_version)
+        self.generation = 0  # +1 per commit and rollback: the prefix cache's key
         self._layout: WeightLayout | None = None
         self._stage: WeightStage | None = None
-        self._prepared: tuple[int, Prepared] | None = None
-        self._undo: tuple[int, Undo] | None = None
+        self._prepared: tuple[WeightVersion, Prepared] | None = None
+        self._undo: tuple[WeightVersion, int, Undo] | None = None  # (version, floor, undo)
         self._groups: dict[str, tuple[object, int]] = {}  # name -> (process group, our rank)
         self._phases: dict[str, float] = {}
         self._lock = threading.RLock()
@@ -249,14 +252,17 @@ class WeightUpdater:
         return self._staging("update_weights_from_distributed", fill)
 
     # ---- ending a session ----------------------------------------------------------------
-    def prepare(self, version) -> dict:
-        """Validate the version and finish the staged weights (nothing serving changes).
-        ValueError ends the session."""
+    def prepare(self, version: WeightVersion | None = None) -> dict:
+        """Validate the version (None: the next integer) and finish the staged weights
+        (nothing serving changes). A refused version (VersionRefused) keeps the session and
+        its staged weights open, so the caller may prepare again with a valid one; any
+        other failure ends the session."""
         with self._lock:
             stage = self._stage_or_raise("end_weight_update")
+            version = check_version(default_version(self.floor) if version is None else version,
+                                    self.floor)
             t0 = time.perf_counter()
             try:
-                version = check_version(version, self.version)
                 missing = stage.missing() if "weights" in self.memory.released else []
                 if missing:
                     raise ValueError(
@@ -272,15 +278,16 @@ class WeightUpdater:
             self._phases["load"] = time.perf_counter() - t0
             return {"weight_version": version, "tensors": prepared.tensors, "bytes": prepared.bytes}
 
-    def commit(self, scheduler) -> int:
+    def commit(self, scheduler) -> WeightVersion:
         """Scheduler thread: the prepared weights go live; returns the new version."""
         with self._lock:
             if self._prepared is None:
                 raise ValueError("commit: no prepared weight update (call prepare first)")
             t0 = time.perf_counter()
             version, prepared = self._prepared
-            self._undo = (self.version, prepared.commit())
+            self._undo = (self.version, self.floor, prepared.commit())
             self._stage = self._prepared = None
+            self.floor = raise_floor(self.floor, version)
             self._set_version(scheduler, version)
             self._phases["commit"] = time.perf_counter() - t0
             return version
@@ -291,12 +298,12 @@ class WeightUpdater:
         with self._lock:
             if self._undo is None:
                 return False
-            old_version, undo = self._undo
+            old_version, self.floor, undo = self._undo
             undo.rollback()
             self._undo = None
             self._closed()
             self._set_version(scheduler, old_version)
-            logger.warning("weight update rolled back; weight version %d serves again", old_version)
+            logger.warning("weight update rolled back; weight version %r serves again", old_version)
             return True
 
     def finish(self) -> dict:
@@ -304,7 +311,7 @@ class WeightUpdater:
         with self._lock:
             if self._undo is None:
                 raise ValueError("finish: no committed weight update to finish")
-            previous, _ = self._undo
+            previous = self._undo[0]
             self._undo = None
             self._closed()
             # Released weights were replaced whole: only what no update sends (the rotary
@@ -312,19 +319,40 @@ class WeightUpdater:
             self.memory.replaced()
             self.last = {"weight_version": self.version, "previous_version": previous,
                          "phases": dict(self._phases)}
-            logger.info("weights updated to version %d (from %d): %s", self.version, previous,
+            logger.info("weights updated to version %r (from %r): %s", self.version, previous,
                         ", ".join(f"{k} {v:.3f} s" for k, v in self._phases.items()))
             return dict(self.last)
 
-    def _set_version(self, scheduler, version: int) -> None:
-        """Bump the version and mark where each live request's tokens switch weights."""
+    def relabel(self, scheduler, version: WeightVersion) -> dict:
+        """Scheduler thread: name the weights serving now ``version`` (SGLang's
+        ``update_weight_version``). The weights stay, so cached KV stays valid; each live
+        request's current span takes the new name. VersionRefused by the rules of
+        :func:`check_version`; ValueError between prepare and finish (the prepared version
+        was checked against the names before)."""
+        with self._lock:
+            if self._prepared is not None or self._undo is not None:
+                raise ValueError("update_weight_version: a weight update is between prepare "
+                                 "and finish; rename after it")
+            version = check_version(version, self.floor)
+            previous, self.version = self.version, version
+            self.floor = raise_floor(self.floor, version)
+            scheduler.kv.rename_weights(version)
+            for req in scheduler.scheduled_requests():
+                rename_last_span(req, version)
+            logger.info("weight version %r renamed %r", previous, version)
+            return {"weight_version": version, "previous_version": previous}
+
+    def _set_version(self, scheduler, version: WeightVersion) -> None:
+        """Serve new weights as ``version``: a new cache generation (KV of the weights before
+        is never matched again) and a new span on each live request."""
         self.version = version
-        scheduler.kv.on_weight_version(version)
+        self.generation += 1
+        scheduler.kv.on_weight_version(self.generation, version)
         for req in scheduler.scheduled_requests():
             start_new_span(req, version)
 
 
-def start_new_span(req, version: int) -> None:
+def start_new_span(req, version: WeightVersion) -> None:
     """From its next token on, ``req``'s output comes from weights ``version``."""
     spans = req.weight_spans
     if not spans:  # not admitted yet: everything it will produce comes from ``version``
@@ -336,3 +364,10 @@ def start_new_span(req, version: int) -> None:
             spans.pop()
     else:
         spans.append([version, n])
+
+
+def rename_last_span(req, version: WeightVersion) -> None:
+    """The weights ``req`` runs on now are called ``version`` (no new weights). A span
+    stays a span even when the name equals the one before: they are other weights."""
+    if req.weight_spans:  # else not admitted yet: it starts under the new name
+        req.weight_spans[-1][0] = version

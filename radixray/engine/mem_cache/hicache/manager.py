@@ -183,6 +183,8 @@ class HiCacheKVManager(KVManager):
     # ------------------------------------------------------------------ storage tier
     @property
     def namespace(self) -> str:
+        # the cache's generation, not the user's version label: one label may name two
+        # different weights (SGLang's clients repeat it on every bucket of an update)
         return f"{self._namespace_base}|v{self.cache.version}"
 
     def _write_pages(self, key: list[int], host_slots: torch.Tensor, first_page: int) -> None:
@@ -304,11 +306,11 @@ class HiCacheKVManager(KVManager):
         return ok
 
     # ------------------------------------------------------------------ lifecycle
-    def on_weight_version(self, version: int) -> None:
+    def on_weight_version(self, generation: int, label: int | str | None = None) -> None:
         """Host copies of older weights are dropped with the device tree's; the storage
-        namespace carries the version, so older pages are never read either."""
-        super().on_weight_version(version)
-        self.host_cache.set_version(version)
+        namespace carries the generation, so older pages are never read either."""
+        super().on_weight_version(generation, label)
+        self.host_cache.set_version(generation)
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix of the device and host tiers (the storage tier stays)."""
