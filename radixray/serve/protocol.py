@@ -94,6 +94,9 @@ class SamplingFields(BaseModel):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    # SGLang's extension: the request's id, for POST /abort_request (the X-Request-Id header
+    # gives it too; serve/request_id.py)
+    rid: str | None = Field(None, min_length=1, max_length=256)
 
     def sampling_params(self, max_tokens: int, choice: int = 0) -> dict:
         """Engine sampling params for choice ``choice`` (seeds differ per choice when n > 1)."""
@@ -167,7 +170,9 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: int = _engine_bounded("top_logprobs_num", 0)  # and server.max_top_logprobs
     # MoE models: meta_info.routed_experts (as SGLang's field; the same as the sampling param)
     return_routed_experts: bool = False
-    rid: str | None = None
+    # One id for the request (a batch's prompts run as rid_0, rid_1, ...) or one per prompt;
+    # for POST /abort_request (serve/request_id.py)
+    rid: str | list[str] | None = None
     priority: int | None = None
 
 
@@ -242,3 +247,13 @@ class RouterUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     policy: PolicyName
+
+
+class AbortRequest(BaseModel):
+    """POST /abort_request (SGLang's body): the request ``rid`` (and the choices derived
+    from it), or every request with ``abort_all``; exactly one of the two."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rid: str | None = Field(None, min_length=1)
+    abort_all: bool = False
