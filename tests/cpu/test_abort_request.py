@@ -26,7 +26,7 @@ from radixray.engine.request_ids import belongs_to, choice_rids
 
 LONG = 3000  # tokens a request may generate: far more than it gets before its abort
 ENGINE_LONG = 900  # the same for the in-process engine (the tiny model's 1024-token context)
-PD_CONFIG: dict = {}
+CONFIG: dict = {}  # the running fleet's
 
 
 # ---------------------------------------------------------------- ids and the engine verb
@@ -219,28 +219,24 @@ def long_llama_dir(tiny_llama_dir, tmp_path_factory):
     return str(folder)
 
 
-def _fleet_config(model_dir: str, fleet: dict) -> dict:
-    config = tiny_config(model_dir, free_port())
+@pytest.fixture(scope="class")
+def base(request, long_llama_dir):
+    """The test class's fleet (its FLEET and ROUTER sections) of the long-context tiny
+    Llama; its URL."""
+    config = tiny_config(long_llama_dir, free_port())
     config["engine"]["max_total_tokens"] = 6 * LONG  # a decode worker reserves every LONG
-    config["fleet"] = fleet
-    return config
+    config["fleet"], config["router"] = request.cls.FLEET, request.cls.ROUTER
+    CONFIG.clear()
+    CONFIG.update(config)
+    with served(config) as url:
+        yield url
 
 
 # ---------------------------------------------------------------- a 2-worker fleet
-@pytest.fixture(scope="class")
-def fleet(long_llama_dir):
-    """Two unified workers, requests spread round robin."""
-    config = _fleet_config(long_llama_dir, {"workers": 2})
-    config["router"] = {"policy": "round_robin"}
-    with served(config) as base:
-        yield base
-
-
 @pytest.mark.slow
 class TestTwoWorkerFleet:
-    @pytest.fixture
-    def base(self, fleet):
-        return fleet
+    FLEET = {"workers": 2}
+    ROUTER = {"policy": "round_robin"}
 
     def test_bad_bodies_are_400_naming_the_field(self, base):
         for body, param in (({}, "rid"), ({"rid": "a", "abort_all": True}, "abort_all"),
@@ -346,20 +342,10 @@ class TestTwoWorkerFleet:
 
 
 # ---------------------------------------------------------------- a prefill-decode fleet
-@pytest.fixture(scope="class")
-def pd_fleet(long_llama_dir):
-    """One prefill and one decode worker."""
-    config = _fleet_config(long_llama_dir, {"prefill_workers": 1, "decode_workers": 1})
-    PD_CONFIG.update(config)
-    with served(config) as base:
-        yield base
-
-
 @pytest.mark.slow
 class TestPrefillDecodeFleet:
-    @pytest.fixture
-    def base(self, pd_fleet):
-        return pd_fleet
+    FLEET = {"prefill_workers": 1, "decode_workers": 1}
+    ROUTER: dict = {}
 
     def test_native_stream_aborted_by_rid(self, base):
         answer = _native_stream_aborted_by_rid(base, "pd-native")
@@ -411,7 +397,7 @@ def _pd_handle(worker: str):
 
     from radixray.cluster.config import ServeConfig
     from radixray.serve.fleet import find_controller
-    controller = find_controller(ServeConfig.parse(PD_CONFIG))
+    controller = find_controller(ServeConfig.parse(CONFIG))
     return ray.get(controller.worker.remote(worker)).handle
 
 
