@@ -12,6 +12,7 @@ from __future__ import annotations
 import uuid
 
 CHOICE_SEPARATOR = "_"
+MAX_RID_LENGTH = 256  # of an id a client gives
 
 
 def new_rid() -> str:

@@ -14,8 +14,8 @@ controller's Ray handle (``update_weights`` with a tensor source), not HTTP.
 Every error is an OpenAI-style ``{"error": {...}}`` body; schema errors are 400
 and name the field. The generation routes read an ``X-Session-Id`` header: with
 session affinity on, requests of one session go to one worker; and an ``X-Request-Id``
-header (the request's id for /abort_request, sent back on every response:
-serve/request_id.py).
+header (the request's id for /abort_request unless the body gives ``rid``, and then sent
+back in the response's header: serve/request_id.py).
 """
 
 

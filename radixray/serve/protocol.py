@@ -12,14 +12,18 @@ also an engine sampling parameter takes its bounds from the engine's declaration
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from radixray.cluster.routing import PolicyName
 from radixray.engine.control import MemoryTag, PauseMode, ReleasableDuringUpdate
 from radixray.engine.grammar.spec import JSON_OBJECT_SCHEMA
+from radixray.engine.request_ids import MAX_RID_LENGTH
 from radixray.engine.sampling import bounds
+
+# A request id a client gives (``rid``; serve/request_id.py)
+RequestId = Annotated[str, Field(min_length=1, max_length=MAX_RID_LENGTH)]
 
 
 def _engine_bounded(name: str, default=None):
@@ -96,7 +100,7 @@ class SamplingFields(BaseModel):
     service_tier: str | None = None
     # SGLang's extension: the request's id, for POST /abort_request (the X-Request-Id header
     # gives it too; serve/request_id.py)
-    rid: str | None = Field(None, min_length=1, max_length=256)
+    rid: RequestId | None = None
 
     def sampling_params(self, max_tokens: int, choice: int = 0) -> dict:
         """Engine sampling params for choice ``choice`` (seeds differ per choice when n > 1)."""
@@ -172,7 +176,7 @@ class GenerateRequest(BaseModel):
     return_routed_experts: bool = False
     # One id for the request (a batch's prompts run as rid_0, rid_1, ...) or one per prompt;
     # for POST /abort_request (serve/request_id.py)
-    rid: str | list[str] | None = None
+    rid: RequestId | list[RequestId] | None = None
     priority: int | None = None
 
 
@@ -255,5 +259,5 @@ class AbortRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    rid: str | None = Field(None, min_length=1)
+    rid: RequestId | None = None
     abort_all: bool = False

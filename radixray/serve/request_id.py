@@ -16,11 +16,10 @@ of them. A native batch may instead give one id per prompt (a list), used as the
 
 from __future__ import annotations
 
-from radixray.engine.request_ids import choice_rids, new_rid
+from radixray.engine.request_ids import MAX_RID_LENGTH, choice_rids, new_rid
 from radixray.serve.api_error import ApiError
 
 REQUEST_ID_HEADER = "X-Request-Id"
-MAX_RID_LENGTH = 256
 
 
 def base_rid(body_rid: str | None, header_rid: str | None) -> str:
