@@ -207,6 +207,9 @@ class EngineWorker:
     async def abort(self, rids: str | Sequence[str]) -> None:
         self.engine.abort(rids)
 
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> list[str]:
+        return await self._later(self.engine.abort_request, rid, abort_all)
+
     # ---- control -------------------------------------------------------------------
     async def _later(self, verb, *args):
         """Await a scheduler-thread verb of the engine without blocking this actor's loop."""

@@ -139,6 +139,12 @@ class FleetOperations:
         """Every live worker's KV slot check (an error entry if its invariant broke)."""
         return await self._on_each_live(lambda h: h.check_kv_conservation.remote())
 
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> dict:
+        """Abort ``rid`` (and its derived choice ids) or every request on every live worker:
+        a prefill-decode request's two halves share its id, and each rank of an expert-parallel
+        group is a worker of its own, so each is reached. The ids aborted, by worker id."""
+        return await self._on_each_live(lambda h: h.abort_request.remote(rid, abort_all))
+
     @after_rebuild
     async def set_policy(self, policy: str) -> dict:
         await self.router.set_policy.remote(policy)

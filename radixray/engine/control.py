@@ -202,6 +202,14 @@ class EngineControl(Protocol):
     def abort(self, rids: str | Sequence[str]) -> None:
         """Abort requests by id (unknown ids are ignored); their KV returns."""
 
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> list[str]:
+        """Abort the request ``rid`` and the choices derived from it (``rid_0``, ``rid_1``,
+        ...: engine/request_ids.py), or with ``abort_all`` every request this engine holds
+        (waiting, prefilling, running, in a grammar's or a disaggregated side's queue). Each
+        ends with finish reason ``abort`` and the output it had; its KV returns. Returns
+        the ids aborted (empty for an unknown id). ValueError unless exactly one of ``rid``
+        and ``abort_all`` is given."""
+
     def snapshot(self) -> EngineSnapshot:
         """Counters and gauges now (see :class:`EngineSnapshot`)."""
 

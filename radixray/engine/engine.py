@@ -43,6 +43,8 @@ from radixray.engine.weights.version import WeightVersion
 
 logger = logging.getLogger(__name__)
 
+ABORT_REQUEST_MESSAGE = "aborted by abort_request"
+
 
 class Engine:
     """Serve one model in this process.
@@ -213,6 +215,13 @@ class Engine:
         the pool or the cache."""
         for rid in [rids] if isinstance(rids, str) else rids:
             self.scheduler.submit(AbortCommand(rid))
+
+    @scheduler_verb()
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> list[str]:
+        """The verb behind POST /abort_request: see :class:`EngineControl`."""
+        if (rid is None) == (not abort_all):
+            raise ValueError("abort_request: give exactly one of rid or abort_all=True")
+        return self.scheduler.abort_matching(None if abort_all else rid, ABORT_REQUEST_MESSAGE)
 
     def num_queued(self) -> int:
         """Requests waiting for admission (the queue and the inbox not yet drained); any

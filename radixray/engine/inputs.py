@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from radixray.engine.grammar.spec import spec_of
 from radixray.engine.request import Req
+from radixray.engine.request_ids import choice_rids
 from radixray.engine.sampling import SamplingParams
 
 
@@ -95,7 +96,9 @@ def check_logprob_start(sp: SamplingParams, prompt_len: int, limits: Limits, ind
 
 def build_requests(prompt, input_ids, sampling_params, tokenizer, limits: Limits,
                    rid=None, priority=None) -> tuple[list[Req], bool]:
-    """Validate everything, then build one Req per prompt. Raises ValueError naming the field."""
+    """Validate everything, then build one Req per prompt. Raises ValueError naming the field.
+    ``rid``: one id (a batch runs as ``rid_0``, ``rid_1``, ...: engine/request_ids.py), one
+    per prompt, or None (fresh ids)."""
     prompts, is_batch = normalize_prompts(prompt, input_ids)
     n = len(prompts)
     params = [to_sampling_params(p) for p in _per_prompt(sampling_params, n, "sampling_params")]
@@ -107,7 +110,8 @@ def build_requests(prompt, input_ids, sampling_params, tokenizer, limits: Limits
         if limits.no_structured_output and spec_of(p) is not None:
             raise ValueError(f"{spec_of(p).field}: structured output is not available here: "
                              f"{limits.no_structured_output}")
-    rids = _per_prompt(rid, n, "rid")
+    # one id for a batch names it as a whole: its prompts run as rid_0, rid_1, ...
+    rids = choice_rids(rid, n) if isinstance(rid, str) else _per_prompt(rid, n, "rid")
     given = [r for r in rids if r is not None]
     if len(set(given)) != len(given):
         raise ValueError("rid must be unique per prompt: give a list of distinct ids for a batch")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
+from radixray.engine.request_ids import choice_rids, new_rid
 from radixray.serve.frontend import Choice, Frontend
 from radixray.serve.openai_serving import (
     SSE_DONE,
@@ -35,9 +36,10 @@ async def chat_completion(fe: Frontend, req: ChatCompletionRequest, session_id: 
             sp["return_logprob"] = True
             sp["top_logprobs_num"] = req.top_logprobs or 0
         params.append(sp)
-    choices, streams = await fe.start([ids] * req.n, params, route_text=text,
-                                      session_id=session_id)
-    rid = f"chatcmpl-{choices[0].rid}"
+    base = req.rid or new_rid()  # the ingress sets it (serve/request_id.py)
+    choices, streams = await fe.start([ids] * req.n, params, rids=choice_rids(base, req.n),
+                                      route_text=text, session_id=session_id)
+    rid = f"chatcmpl-{base}"
     if req.stream:
         return _chat_stream(fe, req, rid, choices, streams)
     await fe.complete(choices, streams)

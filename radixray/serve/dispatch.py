@@ -35,7 +35,7 @@ from radixray.cluster.router_client import RouterClient
 from radixray.cluster.routing import NoWorkerAvailable
 from radixray.engine.faults import BATCH_FAULT_STATUS
 from radixray.engine.messages import RequestUpdate
-from radixray.serve.worker_client import WorkerClient
+from radixray.serve.worker_client import WorkerClient, refuse_rids_in_flight
 
 logger = logging.getLogger("radixray.ingress")
 
@@ -139,9 +139,11 @@ class Dispatcher:
                   session_id: str | None = None) -> list[AsyncIterator[RequestUpdate]]:
         """Place ``requests`` together on one worker; one update iterator per request.
 
-        Raises ValueError (bad input, from the worker), WorkerDraining (the whole
+        Raises ApiError 400 for an id already in flight from this replica, ValueError (bad
+        input, from the worker), WorkerDraining (the whole
         fleet drains) or WorkerUnavailable (no worker took it in ``max_attempts``).
         """
+        refuse_rids_in_flight(requests, self.clients.values())
         tried: set[str] = set()
         worker, streams, attempts = await self._place(requests, route_text, session_id, tried, 0)
         lease = Lease(self.router, worker, len(requests))

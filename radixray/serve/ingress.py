@@ -1,7 +1,7 @@
 """The HTTP front: a Ray Serve deployment wrapping a FastAPI app (no `from __future__
 import annotations` here: FastAPI must see the real annotation objects).
 
-Routes: POST /v1/chat/completions, /v1/completions, /generate, /flush_cache;
+Routes: POST /v1/chat/completions, /v1/completions, /generate, /flush_cache, /abort_request;
 GET /v1/models, /metrics, /health, /health_generate, /ready; fleet admin: GET
 /fleet, POST /fleet/workers/{id}/drain, /fleet/workers/{id}/resume, /fleet/router,
 /fleet/eplb/rebalance;
@@ -13,7 +13,9 @@ GET /get_weight_version. Tensor updates from a colocated trainer go through the
 controller's Ray handle (``update_weights`` with a tensor source), not HTTP.
 Every error is an OpenAI-style ``{"error": {...}}`` body; schema errors are 400
 and name the field. The generation routes read an ``X-Session-Id`` header: with
-session affinity on, requests of one session go to one worker.
+session affinity on, requests of one session go to one worker; and an ``X-Request-Id``
+header (the request's id for /abort_request unless the body gives ``rid``, and then sent
+back in the response's header: serve/request_id.py).
 """
 
 
@@ -39,6 +41,7 @@ from radixray.serve.frontend import Frontend
 from radixray.serve.http_metrics import HttpMetricsMiddleware, replica_metrics
 from radixray.serve.limits import BodySizeLimit, BodyTooLarge, RequestLimits, install_body_limit
 from radixray.serve.protocol import (
+    AbortRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DestroyWeightsUpdateGroup,
@@ -51,6 +54,7 @@ from radixray.serve.protocol import (
     UpdateWeightsFromDistributed,
     UpdateWeightVersion,
 )
+from radixray.serve.request_id import REQUEST_ID_HEADER, base_rid
 
 logger = logging.getLogger("radixray.ingress")
 
@@ -119,10 +123,14 @@ def _import_tokenizer_libraries() -> None:
     import radixray.engine.weights.loader  # noqa: F401
 
 
-def _respond(result):
+def _respond(result, rid: str | None = None, header_rid: str | None = None):
+    """JSON or SSE. ``rid``: the request's base id, sent back as X-Request-Id unless the
+    request came with that header (``header_rid``): Ray Serve's proxy, which sets it on
+    every request, echoes it on the response itself (serve/request_id.py)."""
+    headers = {REQUEST_ID_HEADER: rid} if isinstance(rid, str) and header_rid is None else None
     if isinstance(result, (dict, list)):
-        return JSONResponse(result)
-    return StreamingResponse(result, media_type="text/event-stream")
+        return JSONResponse(result, headers=headers)
+    return StreamingResponse(result, media_type="text/event-stream", headers=headers)
 
 
 @serve.ingress(app)
@@ -224,20 +232,30 @@ class Ingress:
     # ---- APIs -----------------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest,
-                               x_session_id: str | None = Header(None)):
+                               x_session_id: str | None = Header(None),
+                               x_request_id: str | None = Header(None)):
         await self._ensure_ready()
-        return _respond(await chat_serving.chat_completion(self.fe, body, x_session_id))
+        body.rid = base_rid(body.rid, x_request_id)
+        return _respond(await chat_serving.chat_completion(self.fe, body, x_session_id),
+                        body.rid, x_request_id)
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest,
-                          x_session_id: str | None = Header(None)):
+                          x_session_id: str | None = Header(None),
+                          x_request_id: str | None = Header(None)):
         await self._ensure_ready()
-        return _respond(await openai_serving.completion(self.fe, body, x_session_id))
+        body.rid = base_rid(body.rid, x_request_id)
+        return _respond(await openai_serving.completion(self.fe, body, x_session_id), body.rid,
+                        x_request_id)
 
     @app.post("/generate")
-    async def generate(self, body: GenerateRequest, x_session_id: str | None = Header(None)):
+    async def generate(self, body: GenerateRequest, x_session_id: str | None = Header(None),
+                       x_request_id: str | None = Header(None)):
         await self._ensure_ready()
-        return _respond(await native_serving.generate(self.fe, body, x_session_id))
+        if not isinstance(body.rid, list):  # a list names each prompt's generation itself
+            body.rid = base_rid(body.rid, x_request_id)
+        return _respond(await native_serving.generate(self.fe, body, x_session_id), body.rid,
+                        x_request_id)
 
     @app.get("/v1/models")
     async def models(self):
@@ -304,6 +322,21 @@ class Ingress:
             return PlainTextResponse("Cache flushed.\n")
         return PlainTextResponse(f"Cache not flushed on {', '.join(refused)}: requests are "
                                  "running.\n", status_code=400)
+
+    @app.post("/abort_request")
+    async def abort_request(self, body: AbortRequest):
+        """Abort ``rid`` (and the choices derived from it) or, with ``abort_all``, every
+        request, on every live worker (both halves of a prefill-decode request). Each ends
+        with finish reason ``abort`` and its partial output. Answers the ids aborted, by
+        worker and in all; an unknown id aborts nothing and is still a 200 (as in SGLang)."""
+        if (body.rid is None) == (not body.abort_all):
+            raise ApiError(400, "give exactly one of rid or abort_all=true",
+                           param="abort_all" if body.abort_all else "rid")
+        by_worker = await self._per_worker(self.controller.abort_request.remote(
+            body.rid, body.abort_all))
+        rids = sorted({rid for aborted in by_worker.values() for rid in aborted})
+        return {"success": True, "aborted": len(rids), "rids": rids,
+                "workers": {w: len(aborted) for w, aborted in sorted(by_worker.items())}}
 
     @app.post("/pause_generation")
     async def pause_generation(self, body: PauseGeneration | None = None):

@@ -9,10 +9,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from radixray.engine.inputs import to_sampling_params
+from radixray.engine.request_ids import new_rid
 from radixray.serve.api_error import ApiError
 from radixray.serve.frontend import Choice, Frontend
 from radixray.serve.openai_serving import SSE_DONE, sse
 from radixray.serve.protocol import GenerateRequest
+from radixray.serve.request_id import generation_rids
 
 
 def _prompts(fe: Frontend, req: GenerateRequest) -> tuple[list[list[int]], bool]:
@@ -97,11 +99,9 @@ async def generate(fe: Frontend, req: GenerateRequest, session_id: str | None = 
     _check_logprob_start(params, prompts)
     if req.stream and is_batch:
         raise ApiError(400, "stream=true takes one prompt", param="stream")
-    rids = None
-    if req.rid is not None:
-        if is_batch:
-            raise ApiError(400, "rid is only accepted with a single prompt", param="rid")
-        rids = [req.rid]
+    if isinstance(req.rid, list) and not is_batch:
+        raise ApiError(400, "rid: a list of ids needs a batch of prompts", param="rid")
+    rids = generation_rids(req.rid if req.rid is not None else new_rid(), len(prompts))
     text = req.text if isinstance(req.text, str) else None
     choices, streams = await fe.start(prompts, params, priority=req.priority, rids=rids,
                                       route_text=text, session_id=session_id)

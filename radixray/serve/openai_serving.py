@@ -11,6 +11,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 
+from radixray.engine.request_ids import choice_rids, new_rid
 from radixray.serve.api_error import ApiError
 from radixray.serve.frontend import Choice, Frontend
 from radixray.serve.protocol import CompletionRequest
@@ -157,8 +158,10 @@ async def completion(fe: Frontend, req: CompletionRequest, session_id: str | Non
             params.append(sp)
     echo_of = (lambda c: echoes[c.index // req.n]) if echoes else (lambda c: "")
     text = req.prompt if isinstance(req.prompt, str) else None
-    choices, streams = await fe.start(all_ids, params, route_text=text, session_id=session_id)
-    rid = f"cmpl-{choices[0].rid}"
+    base = req.rid or new_rid()  # the ingress sets it (serve/request_id.py)
+    choices, streams = await fe.start(all_ids, params, rids=choice_rids(base, len(all_ids)),
+                                      route_text=text, session_id=session_id)
+    rid = f"cmpl-{base}"
     if req.stream:
         return _completion_stream(fe, req, rid, choices, streams, echo_of)
     await fe.complete(choices, streams)

@@ -35,6 +35,7 @@ from radixray.serve.dispatch import (
     fails_before_first_token,
     outcome_of,
 )
+from radixray.serve.worker_client import refuse_rids_in_flight
 
 logger = logging.getLogger("radixray.ingress")
 
@@ -57,6 +58,7 @@ class PDDispatcher(Dispatcher):
 
     async def run(self, requests: list[SubmitRequest], route_text: str,
                   session_id: str | None = None) -> list[AsyncIterator[RequestUpdate]]:
+        refuse_rids_in_flight(requests, self.clients.values())
         tried: set[str] = set()
         placed, errors = await self._place_pair(requests, route_text, session_id, tried, [])
         return [self._follow_pair(r, placed, i, route_text, session_id, tried, errors)

@@ -12,15 +12,19 @@ also an engine sampling parameter takes its bounds from the engine's declaration
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from radixray.cluster.routing import PolicyName
 from radixray.engine.control import MemoryTag, PauseMode, ReleasableDuringUpdate
 from radixray.engine.grammar.spec import JSON_OBJECT_SCHEMA
+from radixray.engine.request_ids import MAX_RID_LENGTH
 from radixray.engine.sampling import bounds
 from radixray.engine.weights.version import check_version
+
+# A request id a client gives (``rid``; serve/request_id.py)
+RequestId = Annotated[str, Field(min_length=1, max_length=MAX_RID_LENGTH)]
 
 
 def _engine_bounded(name: str, default=None):
@@ -95,6 +99,9 @@ class SamplingFields(BaseModel):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    # SGLang's extension: the request's id, for POST /abort_request (the X-Request-Id header
+    # gives it too; serve/request_id.py)
+    rid: RequestId | None = None
 
     def sampling_params(self, max_tokens: int, choice: int = 0) -> dict:
         """Engine sampling params for choice ``choice`` (seeds differ per choice when n > 1)."""
@@ -175,7 +182,9 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: bool = False
     # MoE models: meta_info.routed_experts (as SGLang's field; the same as the sampling param)
     return_routed_experts: bool = False
-    rid: str | None = None
+    # One id for the request (a batch's prompts run as rid_0, rid_1, ...) or one per prompt;
+    # for POST /abort_request (serve/request_id.py)
+    rid: RequestId | list[RequestId] | None = None
     priority: int | None = None
 
 
@@ -283,3 +292,13 @@ class RouterUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     policy: PolicyName
+
+
+class AbortRequest(BaseModel):
+    """POST /abort_request (SGLang's body): the request ``rid`` (and the choices derived
+    from it), or every request with ``abort_all``; exactly one of the two."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rid: RequestId | None = None
+    abort_all: bool = False

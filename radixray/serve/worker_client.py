@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from radixray.cluster.errors import WorkerUnavailable, unwrap_ray_error
 from radixray.cluster.messages import ChannelState, SubmitRequest
 from radixray.engine.messages import RequestUpdate
+from radixray.serve.api_error import ApiError
 
 logger = logging.getLogger("radixray.ingress")
 
@@ -74,11 +75,12 @@ class WorkerClient:
     async def run(self, requests: list[SubmitRequest]) -> list[AsyncIterator[RequestUpdate]]:
         """Submit ``requests`` together; return one update iterator per request.
 
-        Raises the worker's ValueError (bad input), WorkerDraining or
-        WorkerUnavailable before anything streams.
+        Raises ApiError 400 for a request id already in flight on this channel, the worker's
+        ValueError (bad input), WorkerDraining or WorkerUnavailable before anything streams.
         """
         if not self.alive:
             raise WorkerUnavailable(f"engine worker {self.worker_id} is not connected")
+        refuse_rids_in_flight(requests, [self])
         queues = [asyncio.Queue() for _ in requests]
         for r, q in zip(requests, queues):
             self._queues[r.rid] = q
@@ -89,6 +91,10 @@ class WorkerClient:
                 self._queues.pop(r.rid, None)
             raise unwrap_ray_error(exc) from None
         return [self._follow(r.rid, q) for r, q in zip(requests, queues)]
+
+    def follows(self, rid: str) -> bool:
+        """Whether a request ``rid`` of this channel is still in flight."""
+        return rid in self._queues
 
     async def _follow(self, rid: str, q: asyncio.Queue) -> AsyncIterator[RequestUpdate]:
         finished = False
@@ -106,3 +112,13 @@ class WorkerClient:
         """Fire-and-forget abort (the caller went away)."""
         if self.alive:
             self.handle.abort.remote(rids)
+
+
+def refuse_rids_in_flight(requests: list[SubmitRequest], clients) -> None:
+    """ApiError 400 naming ``rid`` when a request's id is in flight on one of ``clients``
+    (a second reader of one id would take the first's updates, and one abort would end
+    both)."""
+    taken = next((r.rid for r in requests for c in clients if c.follows(r.rid)), None)
+    if taken is not None:
+        raise ApiError(400, f"rid {taken!r} is already in flight: request ids must be unique",
+                       param="rid")

@@ -59,7 +59,7 @@ def test_every_route_is_in_a_tier_and_the_tiers_are_what_the_issue_names():
                     "/pause_generation", "/continue_generation", "/release_memory_occupation",
                     "/resume_memory_occupation", "/update_weights_from_disk",
                     "/init_weights_update_group", "/update_weights_from_distributed",
-                    "/destroy_weights_update_group", "/get_weight_version"):
+                    "/destroy_weights_update_group", "/get_weight_version", "/abort_request"):
         assert tiers[control] == "admin", control
     assert policy.tier("/a/route/added/later") == "admin"
 

@@ -157,8 +157,10 @@ def test_priority_preempts_only_as_many_as_needed(tiny_llama_dir):
 # ------------------------------------------------------------------ robustness
 def test_request_ids_must_be_unique_while_in_use(eng):
     # Two requests under one id: one of the callers used to wait forever.
-    with pytest.raises(ValueError, match="rid"):
-        call_with_timeout(eng.generate, input_ids=[[1, 2], [3, 4]], rid="same")
+    # One id for a batch names the batch: its prompts run as id_0, id_1 (as SGLang's).
+    outs = call_with_timeout(eng.generate, input_ids=[[1, 2], [3, 4]], rid="same",
+                             sampling_params={"max_new_tokens": 1})
+    assert [o["meta_info"]["id"] for o in outs] == ["same_0", "same_1"]
     with pytest.raises(ValueError, match="rid"):
         call_with_timeout(eng.generate, input_ids=[[1, 2], [3, 4]], rid=["x", "x"])
     thread, box = in_thread(eng.generate, input_ids=[1, 2, 3], rid="dup",

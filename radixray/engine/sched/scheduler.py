@@ -33,6 +33,7 @@ from radixray.engine.mem_cache.factory import create_kv_manager
 from radixray.engine.mem_cache.kv_audit import KVAudit
 from radixray.engine.mem_cache.kv_manager import KVManager
 from radixray.engine.request import FinishReason, Req
+from radixray.engine.request_ids import belongs_to
 from radixray.engine.sched.admission import NewTokenRatio, reserved_for_running
 from radixray.engine.sched.decode import PlainDecoder, SpeculativeDecoder
 from radixray.engine.sched.failures import StepFailures
@@ -424,6 +425,17 @@ class Scheduler:
             return False
         self.end_request(req, FinishReason("abort", message=message))
         return True
+
+    def abort_matching(self, rid: str | None, message: str) -> list[str]:
+        """Abort every request ``rid`` names (itself and the choices derived from it, see
+        engine/request_ids.py), or every request when ``rid`` is None; the ids aborted.
+        Requests still in the inbox were taken in first (the inbox is FIFO)."""
+        aborted = []
+        for req in self.held_requests():
+            if not req.finished and (rid is None or belongs_to(req.rid, rid)) \
+                    and self.abort(req.rid, message):
+                aborted.append(req.rid)
+        return aborted
 
     def abort_all(self, message: str) -> None:
         """Abort every request, queued in the inbox ones included (the loop is not running)."""
