@@ -22,7 +22,7 @@ from radixray.engine.control import (
 from radixray.engine.ep.eplb import ExpertBalancer, request_rebalance
 from radixray.engine.executor.model_runner import ModelRunner
 from radixray.engine.executor.prompt_logprobs import no_prompt_logprobs
-from radixray.engine.faults import ENGINE_FAILED_STATUS, EngineFailed, EngineHealth, FaultInjector
+from radixray.engine.faults import EngineFailed, EngineHealth, FaultInjector, raise_if_engine_failed
 from radixray.engine.grammar.spec import no_structured_output
 from radixray.engine.inputs import Limits, attach_bootstrap, build_requests
 from radixray.engine.mem_cache.memory_saver import MemorySaver
@@ -133,12 +133,9 @@ class Engine:
         reqs, is_batch = build_requests(prompt, input_ids, sampling_params, self.tokenizer,
                                         self.limits, rid, priority)
         attach_bootstrap(reqs, bootstrap)
-        subs = self._submit(reqs)
-        for sub in subs:
-            while not sub.done.wait(1.0):
-                self._raise_if_dead()
+        self._wait(self._submit(reqs))
         for req in reqs:
-            _raise_if_engine_failed(req, self.scheduler)
+            raise_if_engine_failed(req, self.scheduler.faults)
         results = [self._result(r) for r in reqs]
         return results if is_batch else results[0]
 
@@ -161,7 +158,7 @@ class Engine:
                 update = await sub.queue.get()
                 finished = update.meta is not None
                 if finished:
-                    _raise_if_engine_failed(req, self.scheduler)
+                    raise_if_engine_failed(req, self.scheduler.faults)
                 yield chunks.of(update)
         finally:
             self._subs.discard(req.rid)
@@ -176,9 +173,7 @@ class Engine:
         """One greedy token of ``prompt`` run here, whatever this engine's role."""
         reqs, _ = build_requests(prompt, None, {"max_new_tokens": 1, "temperature": 0.0},
                                  self.tokenizer, self.limits)
-        sub = self._submit(reqs, local=True)[0]
-        while not sub.done.wait(1.0):
-            self._raise_if_dead()
+        self._wait(self._submit(reqs, local=True))
         return self._result(reqs[0])
 
     @property
@@ -331,10 +326,7 @@ class Engine:
     def pd_probe(self, session: str, layout) -> float:
         """Handshake (prefill engine): write this pool's padding slot into the peer's
         ``session`` over the transport, every layer; returns the seconds it took."""
-        if self.pd is None or self.pd.mode != "prefill":
-            raise ValueError(f"worker {self.worker_id} is "
-                             f"{self.config.disaggregation_mode or 'unified'}, not prefill")
-        return self.pd.probe(session, layout)
+        return self._pd_link().probe(session, layout)
 
     def _pd_link(self):
         if self.pd is None:
@@ -423,13 +415,7 @@ class Engine:
         greater than every int served before, or a string label; None: the next int); the
         version and the time of each phase. A refused version (VersionRefused) leaves the
         session open with its staged weights, to end again with a valid version."""
-        self.weights.prepare(weight_version)
-        try:
-            self.call_in_loop(self.weights.commit)
-        except BaseException:
-            self.weights.abort()
-            raise
-        return self.weights.finish()
+        return self.weights.end(weight_version, self.call_in_loop)
 
     def abort_weight_update(self) -> bool:
         return self.weights.abort()
@@ -493,6 +479,12 @@ class Engine:
             self.scheduler.submit(reqs)
         return subs
 
+    def _wait(self, subs: list[Subscriber]) -> None:
+        """Block until every subscriber's request is done; EngineFailed if the engine dies."""
+        for sub in subs:
+            while not sub.done.wait(1.0):
+                self._raise_if_dead()
+
     def _raise_if_dead(self) -> None:
         """EngineFailed when the engine failed or its scheduler thread is gone."""
         health = self.health()
@@ -503,12 +495,3 @@ class Engine:
         self._subs.discard(req.rid)
         return finished_result(req, self.tokenizer, self.weights.version)
 
-
-def _raise_if_engine_failed(req: Req, scheduler: Scheduler) -> None:
-    """A request ended because the whole engine failed: raise that (a batch fault or a
-    failed disaggregated transfer is not raised; it is the request's own result, finish
-    reason ``error``)."""
-    reason = req.finish_reason
-    if reason is not None and reason.type == "error" and reason.status == ENGINE_FAILED_STATUS \
-            and scheduler.faults.failed is not None:
-        raise EngineFailed(reason.message)

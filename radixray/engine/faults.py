@@ -207,3 +207,13 @@ def describe(exc: BaseException) -> str:
     """``Type: message`` of an exception, for logs and the error a client sees."""
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def raise_if_engine_failed(req, faults: StepFaults) -> None:
+    """``req`` ended because the whole engine failed: raise that as :class:`EngineFailed`
+    (a batch fault or a failed disaggregated transfer is not raised; it is the request's
+    own result, finish reason ``error``)."""
+    reason = req.finish_reason
+    if reason is not None and reason.type == "error" and reason.status == ENGINE_FAILED_STATUS \
+            and faults.failed is not None:
+        raise EngineFailed(reason.message)

@@ -109,7 +109,10 @@ class PDLink:
 
     def probe(self, session: str, layout: KVLayout) -> float:
         """Write this pool's padding slot 0 into the peer's slot 0, every layer (a slot never
-        read unmasked): proves transport, registration and layout. Returns the seconds."""
+        read unmasked): proves transport, registration and layout. Returns the seconds.
+        ValueError on a decode side (only the prefill side writes)."""
+        if self.mode != "prefill":
+            raise ValueError(f"worker {self.worker_id} is {self.mode}, not prefill")
         import torch
 
         from radixray.engine.disaggregation.layout import copy_spans

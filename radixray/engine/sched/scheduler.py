@@ -23,7 +23,6 @@ from collections.abc import Callable
 import torch
 
 from radixray.engine.config import EngineConfig
-from radixray.engine.control import PAUSE_MODES
 from radixray.engine.ep.group import IDLE_POLL_S
 from radixray.engine.executor.model_runner import ModelRunner
 from radixray.engine.executor.sampler import DETERMINISTIC_DEFAULT_SEED, Sampler
@@ -40,7 +39,7 @@ from radixray.engine.sched.failures import StepFailures
 from radixray.engine.sched.inbox import AbortCommand, CallInLoop, Inbox
 from radixray.engine.sched.output import OutputProcessor, ProcessedStep
 from radixray.engine.sched.overlap import OverlapDecoder
-from radixray.engine.sched.pause import ABORT_MESSAGE
+from radixray.engine.sched.pause import pause_in_mode, resume_scheduling
 from radixray.engine.sched.prefill import PrefillBuilder
 from radixray.engine.sched.queues import RequestQueues
 from radixray.engine.sched.stats import SchedulerStats, log_decode
@@ -440,8 +439,7 @@ class Scheduler:
     def abort_all(self, message: str) -> None:
         """Abort every request, queued in the inbox ones included (the loop is not running)."""
         self._ingest()
-        for req in self.held_requests():
-            self.abort(req.rid, message)
+        self.abort_matching(None, message)
 
     # ---- control (engine/sched/pause.py) -------------------------------------------
     def reconfigure(self, **changes) -> None:
@@ -457,31 +455,12 @@ class Scheduler:
         self.ratio.reset()
 
     def pause(self, mode: str) -> int:
-        """Pause in ``mode``; return how many requests the mode touched (aborted, retracted,
-        or held in place). Pausing again switches the mode."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
-        touched = self.queues.active()
-        if mode == "abort":
-            touched = list(self.queues.waiting) + touched
-            for req in touched:
-                self.abort(req.rid, ABORT_MESSAGE)
-        elif mode == "retract":
-            for req in touched:
-                self.retract(req)
-        self.paused = mode
-        return len(touched)
+        """Pause in ``mode`` (see engine/sched/pause.py); how many requests it touched."""
+        return pause_in_mode(self, mode)
 
     def resume(self) -> bool:
-        """Schedule again; False if not paused. ValueError, changing nothing, while memory is
-        released (engine/mem_cache/memory_saver.py): a step would run on freed tensors."""
-        released = sorted(self.memory_released)
-        if released:
-            raise ValueError(f"continue_generation: the memory of {released} is released; "
-                             f"call resume_memory_occupation({released}) first")
-        was = self.paused is not None
-        self.paused = None
-        return was
+        """Schedule again; False if not paused (see engine/sched/pause.py)."""
+        return resume_scheduling(self)
 
     # ---- faults --------------------------------------------------------------------
     def fail_step(self, exc: Exception, reqs: list[Req]) -> None:

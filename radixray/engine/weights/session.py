@@ -323,6 +323,18 @@ class WeightUpdater:
                         ", ".join(f"{k} {v:.3f} s" for k, v in self._phases.items()))
             return dict(self.last)
 
+    def end(self, version: WeightVersion | None, call_in_loop) -> dict:
+        """prepare, commit on the scheduler thread (``call_in_loop(fn)`` runs ``fn(scheduler)``
+        there), finish. A refused version (VersionRefused, from prepare) leaves the session
+        open with its staged weights; a failed commit aborts the session."""
+        self.prepare(version)
+        try:
+            call_in_loop(self.commit)
+        except BaseException:
+            self.abort()
+            raise
+        return self.finish()
+
     def relabel(self, scheduler, version: WeightVersion) -> dict:
         """Scheduler thread: name the weights serving now ``version`` (SGLang's
         ``update_weight_version``). The weights stay, so cached KV stays valid; each live
