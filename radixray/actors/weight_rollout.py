@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 from radixray.cluster.errors import unwrap_ray_error
 from radixray.cluster.metrics import WeightUpdateMetrics
@@ -157,14 +158,21 @@ async def run_fleet_update(workers: dict, source: WeightSource, version: WeightV
     return {"weight_version": version, "workers": sorted(workers), "phases": phases}
 
 
+@dataclass(frozen=True)
+class OriginalWeights:
+    """What a restarted worker replays when the fleet still serves the weights it loaded
+    (no update ran, or only renames): nothing but the fleet's version name."""
+
+
 class FleetWeights:
     """The fleet's weight version and its updates (one per controller).
 
     A worker (re)started after an update loads the original weights (version 0). Before
     it takes requests the controller calls :meth:`catch_up`: the last update is run again
-    on that worker alone when it can be (a disk source); otherwise the worker stays out
-    of routing (``stale``) until the next fleet-wide update brings it along, so no request
-    is served by weights the fleet no longer has.
+    on that worker alone when it can be (a disk source; only the name when the weights
+    are still the original ones); otherwise the worker stays out of routing (``stale``)
+    until the next fleet-wide update brings it along, so no request is served by weights
+    the fleet no longer has.
     """
 
     def __init__(self):
@@ -173,13 +181,15 @@ class FleetWeights:
         self.lock = asyncio.Lock()  # one update (or catch-up) at a time
         self.metrics = WeightUpdateMetrics()
         self.stale: set[str] = set()  # live workers left behind by a restart
-        self._replay: WeightSource | None = None  # the last update, if a worker can repeat it
+        # The last update, if a worker can repeat it (None when it cannot).
+        self._replay: WeightSource | OriginalWeights | None = OriginalWeights()
 
-    def saved(self) -> tuple[WeightVersion, WeightSource | None, set[str]]:
+    def saved(self) -> tuple[WeightVersion, WeightSource | OriginalWeights | None, set[str]]:
         """(version, the update a restarted worker replays, stale workers) to checkpoint."""
         return self.version, self._replay, set(self.stale)
 
-    def restore(self, version: WeightVersion, replay: WeightSource | None, stale: set[str],
+    def restore(self, version: WeightVersion, replay: WeightSource | OriginalWeights | None,
+                stale: set[str],
                 floor: int = 0) -> None:
         """Take back :meth:`saved`'s state and the floor (a restarted controller)."""
         self.version, self._replay, self.stale = version, replay, set(stale)
@@ -242,6 +252,8 @@ class FleetWeights:
             self.stale.discard(rec.worker_id)
             if self.version == 0:
                 return None
+            if isinstance(self._replay, OriginalWeights):
+                return await self._rename_one(rec)
             if self._replay is None:
                 self.stale.add(rec.worker_id)
                 return (f"serves weight version 0 while the fleet is at {self.version} (the last "
@@ -258,3 +270,14 @@ class FleetWeights:
             rec.weight_version = self.version
             logger.info("worker %s caught up to weight version %r", rec.worker_id, self.version)
             return None
+
+    async def _rename_one(self, rec) -> str | None:
+        """Catch-up when the fleet's weights are the original ones under another name."""
+        try:
+            await rec.handle.update_weight_version.remote(self.version)
+        except Exception as exc:  # noqa: BLE001 - the worker stays out of routing
+            self.stale.add(rec.worker_id)
+            return f"could not take weight version {self.version!r}: {unwrap_ray_error(exc)}"
+        rec.weight_version = self.version
+        logger.info("worker %s renamed its weights %r", rec.worker_id, self.version)
+        return None

@@ -122,6 +122,16 @@ class ServerSection(BaseModel):
                               "counts finished requests whose time to first token is within this")
     slo_tpot_s: float = Field(0.1, gt=0, description="... and whose time per output token is "
                               "within this")
+    tool_call_parser: Literal["auto", "none", "hermes", "llama3", "mistral"] = Field(
+        "auto", description="how tool calls are read from chat output (serve/chat_parsers.py): "
+        "auto (from the chat template's call syntax, else the model family), none (tools "
+        "refused), or a format")
+    reasoning_parser: Literal["auto", "none", "qwen3", "qwen3-thinking", "deepseek-r1"] = Field(
+        "auto", description="how <think> reasoning is split into reasoning_content: auto (when "
+        "the chat template writes <think>), none (left in the content), or a parser")
+    generic_tool_prompt: bool = Field(
+        False, description="a model whose chat template takes no tools gets them described in "
+        "a system message, with hermes <tool_call> answers (otherwise tools are a 400)")
     # SecretStr: no log or repr shows the keys
     api_key: SecretStr | None = Field(
         None, description="key the OpenAI and native APIs ask for (Authorization: Bearer; "

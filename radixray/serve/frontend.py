@@ -17,6 +17,7 @@ from radixray.engine.detokenizer import IncrementalDetokenizer
 from radixray.engine.messages import MetaInfo, RequestUpdate
 from radixray.engine.sampling import SamplingParams
 from radixray.serve.api_error import ApiError, api_error_from
+from radixray.serve.chat_parsers import ChatFeatures
 from radixray.serve.dispatch import Dispatcher, close_all, ids_route_text
 from radixray.serve.limits import RequestLimits
 
@@ -79,9 +80,13 @@ class Frontend:
     """Everything an HTTP handler needs from this ingress replica."""
 
     def __init__(self, tokenizer, info: WorkerInfo, served_model_name: str,
-                 dispatcher: Dispatcher, enable_cache_report: bool = True, limits=None):
-        """``limits``: a :class:`radixray.serve.limits.RequestLimits` (default: its defaults)."""
+                 dispatcher: Dispatcher, enable_cache_report: bool = True, limits=None,
+                 chat: ChatFeatures | None = None):
+        """``limits``: a :class:`radixray.serve.limits.RequestLimits` (default: its defaults);
+        ``chat``: the model's tool-call and reasoning handling (default: tools refused, no
+        reasoning parser)."""
         self.limits = limits or RequestLimits()
+        self.chat = chat or ChatFeatures()
         self.tokenizer = tokenizer
         self.context_len = info.context_len
         self.vocab_size = info.vocab_size
@@ -118,19 +123,6 @@ class Frontend:
     # ---- text work -------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True)
-
-    def chat_ids(self, messages: list[dict]) -> tuple[list[int], str]:
-        """Token ids of the templated conversation, and its text (the routing key)."""
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ApiError(400, "this model has no chat template; use /v1/completions",
-                           param="messages")
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=True)
-        except Exception as exc:  # template errors come from user-supplied message shapes
-            raise ApiError(400, f"the chat template rejected the messages: {exc}",
-                           param="messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False), text
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

@@ -37,6 +37,7 @@ from radixray.cluster.weight_sources import DiskWeights, DistributedWeights, Wei
 from radixray.serve import chat_serving, native_serving, openai_serving
 from radixray.serve.api_error import ApiError, api_error_from
 from radixray.serve.auth import AuthMiddleware, AuthPolicy, install_policy
+from radixray.serve.chat_parsers import ChatFeatures
 from radixray.serve.frontend import Frontend
 from radixray.serve.http_metrics import HttpMetricsMiddleware, replica_metrics
 from radixray.serve.limits import BodySizeLimit, BodyTooLarge, RequestLimits, install_body_limit
@@ -160,14 +161,19 @@ class Ingress:
         info = ray.get(self.controller.start.remote())  # waits for the workers to load
         libraries.join()
         from radixray.engine.weights.loader import resolve_model
-        tokenizer = resolve_model(info.model).tokenizer
+        source = resolve_model(info.model)
+        tokenizer = source.tokenizer
+        server = self.cfg.server
+        chat = ChatFeatures.detect(tokenizer, source.config, server.tool_call_parser,
+                                   server.reasoning_parser, server.generic_tool_prompt)
+        logger.info("chat API: %s", chat.describe())
         from radixray.serve.pd_dispatch import PDDispatcher
         dispatcher_class = PDDispatcher if self.cfg.fleet.disaggregated else Dispatcher
         dispatcher = dispatcher_class(self.controller, find_router(self.cfg),
                                 self.cfg.router.retry_max_attempts, self.cfg.router.retry_backoff_s)
         self.fe = Frontend(tokenizer, info, self.cfg.server.served_model_name, dispatcher,
                            enable_cache_report=self.cfg.server.enable_cache_report,
-                           limits=RequestLimits.from_server(self.cfg.server))
+                           limits=RequestLimits.from_server(self.cfg.server), chat=chat)
         self.collector = FleetCollector()
         from prometheus_client import CollectorRegistry
         self.registry = CollectorRegistry(auto_describe=False)

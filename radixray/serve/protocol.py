@@ -143,12 +143,71 @@ class TextPart(BaseModel):
     text: str
 
 
+# OpenAI's rule for function names
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class FunctionDefinition(BaseModel):
+    """A tool's function: its name, what it does, and its arguments' JSON schema (none:
+    it takes no arguments). ``strict`` is taken either way: a constrained call always
+    follows the schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: FunctionName
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: exactly that call."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionChoice
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str  # a JSON object as text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    """A call in an assistant message of the history."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this answers
+    reasoning_content: str | None = None  # assistant messages (a reasoning model's thoughts)
 
     def text(self) -> str:
         if self.content is None:
@@ -163,6 +222,21 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = _engine_bounded("top_logprobs_num")  # and server.max_top_logprobs
     max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # SGLang's extensions: reasoning in message.reasoning_content (false: left in content),
+    # and keyword arguments of the chat template (enable_thinking, ...)
+    separate_reasoning: bool = True
+    chat_template_kwargs: dict | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, tools):
+        names = [t.function.name for t in tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"function names must be unique; got {names}")
+        return tools
 
 
 class GenerateRequest(BaseModel):

@@ -33,6 +33,8 @@ SECTION_FLAGS = (
     ("fleet", "workers", ""), ("fleet", "prefill_workers", ""), ("fleet", "decode_workers", ""),
     ("router", "policy", "router_"),
     ("server", "api_key", ""), ("server", "admin_api_key", ""),
+    ("server", "tool_call_parser", ""), ("server", "reasoning_parser", ""),
+    ("server", "generic_tool_prompt", ""),
 )
 
 

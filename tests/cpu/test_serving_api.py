@@ -194,12 +194,15 @@ BAD_CHAT = [
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, "Lower max_tokens",
      "max_tokens"),
     # Fields this server does not implement are refused by name, never dropped silently.
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": []}, "does not implement",
-     "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "functions": []}, "does not implement",
+     "functions"),
+    # The tiny model's chat template takes no tools.
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function":
+     {"name": "f"}}]}, "--generic-tool-prompt", "tools"),
     ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 10}},
      "does not implement", "logit_bias"),
-    ({"messages": [{"role": "assistant", "content": None, "tool_calls": []}]},
-     "does not implement", "messages.0.tool_calls"),
+    ({"messages": [{"role": "assistant", "content": None, "function_call": {}}]},
+     "does not implement", "messages.0.function_call"),
     ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"x": 1}},
      "does not implement", "stream_options.x"),
 ]

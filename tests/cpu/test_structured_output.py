@@ -13,47 +13,11 @@ import threading
 import httpx
 import jsonschema
 import pytest
+from schema_fixtures import SCHEMAS
 from serving_helpers import free_port, metric, served, tiny_config
 
 from radixray.engine.grammar.backend import GrammarBackend
 from radixray.engine.grammar.spec import GrammarSpec
-
-NAME = {"type": "string", "pattern": "^[a-z]{1,8}$"}
-SMALL_INT = {"type": "integer", "minimum": 0, "maximum": 99}
-
-
-def _obj(props: dict, required=None, extra=False) -> dict:
-    return {"type": "object", "properties": props, "required": list(props) if required is None
-            else required, "additionalProperties": extra}
-
-
-SCHEMAS = [
-    _obj({"name": NAME}),
-    _obj({"age": SMALL_INT}),
-    _obj({"ok": {"type": "boolean"}}),
-    _obj({"color": {"enum": ["red", "green", "blue"]}}),
-    _obj({"status": {"type": "string", "enum": ["open", "closed"]}, "count": SMALL_INT}),
-    _obj({"tags": {"type": "array", "items": NAME, "minItems": 1, "maxItems": 3}}),
-    _obj({"point": _obj({"x": SMALL_INT, "y": SMALL_INT})}),
-    _obj({"user": _obj({"name": NAME, "address": _obj({"zip": {"type": "string",
-                                                               "pattern": "^[0-9]{5}$"}})})}),
-    _obj({"a": NAME, "b": SMALL_INT}, required=["a"]),
-    _obj({"id": {"type": "integer", "minimum": 10, "maximum": 20}}),
-    _obj({"temp": {"type": "integer", "minimum": -5, "maximum": 5}}),
-    _obj({"code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"}}),
-    _obj({"items": {"type": "array", "items": _obj({"k": SMALL_INT}), "minItems": 2,
-                    "maxItems": 2}}),
-    _obj({"flags": {"type": "array", "items": {"type": "boolean"}, "minItems": 0,
-                    "maxItems": 4}}),
-    _obj({"kind": {"const": "fixed"}, "n": SMALL_INT}),
-    _obj({"x": {"anyOf": [SMALL_INT, {"type": "null"}]}}),
-    _obj({"level": {"enum": [1, 2, 3]}, "name": NAME}),
-    {"type": "array", "items": SMALL_INT, "minItems": 1, "maxItems": 3},
-    _obj({"m": {"type": "array", "items": {"type": "array", "items": SMALL_INT, "minItems": 1,
-                                           "maxItems": 2}, "minItems": 1, "maxItems": 2}}),
-    _obj({"first": NAME, "last": NAME, "nick": NAME}, required=["first", "last"]),
-]
-assert len(SCHEMAS) == 20
 
 
 # ---- units: the compiled-grammar cache ---------------------------------------------------

@@ -169,3 +169,21 @@ def test_a_fleet_rename_checks_first_and_names_a_worker_that_failed():
     recs[1].weight_version = recs[1].handle.version = 0
     assert _run(weights.relabel(recs, "step-3"))["workers"] == ["a"]
     assert [r.weight_version for r in recs] == ["step-3", 0] and recs[1].handle.version == 0
+
+
+def test_a_worker_restarted_after_only_renames_takes_the_name_and_serves():
+    """No update ran, only POST /update_weight_version: the weights a restarted worker
+    loads are the fleet's, so it takes the fleet's name and serves (it used to stay out of
+    routing for good, as if a tensor update had been lost)."""
+    weights = FleetWeights()
+    recs = [Rec("a", FakeWorker("a"))]
+    _run(weights.relabel(recs, "base-v2"))
+    fresh = Rec("b", FakeWorker("b"))
+    assert _run(weights.catch_up(fresh)) is None
+    assert fresh.weight_version == fresh.handle.version == "base-v2" and not weights.stale
+    assert fresh.handle.calls == ["update_weight_version"]
+    broken = Rec("c", FakeWorker("c", fail="update_weight_version"))
+    assert "could not take weight version 'base-v2'" in _run(weights.catch_up(broken))
+    assert weights.stale == {"c"}
+    _run(weights.update(recs, TensorWeights(payload="ref"), 7, "retract", [], False))
+    assert "fleet is at 7" in _run(weights.catch_up(Rec("d", FakeWorker("d"))))
