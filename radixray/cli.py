@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         quant_quality,
         serve_client,
         speculative,
+        tensor_parallel,
         vs_hf,
         weight_update,
     )
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     hicache.add_parser(bench_sub)
     speculative.add_parser(bench_sub)
     mixed_chunk.add_parser(bench_sub)
+    tensor_parallel.add_parser(bench_sub)
 
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve` re-runs itself with it

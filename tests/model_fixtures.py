@@ -122,6 +122,19 @@ def assert_greedy_equal(ours: list[int], ref: list[int], gaps: list[float], labe
     assert len(ours) == len(ref), f"{label}: {len(ours)} tokens vs HF {len(ref)}"
 
 
+# Prompts for the default model (SmolLM2): prose, code, chat markup.
+SMOL_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "List three primary colors:",
+    "Translate to French: Good morning, how are you?",
+    "The quick brown fox",
+    "<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n",
+    "Water boils at a temperature of",
+]
+
+
 NEW_TOKENS = 32
 
 

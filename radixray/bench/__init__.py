@@ -47,3 +47,53 @@ def standalone_main(argv, module: str, doc: str, add_arguments, run, log_level: 
     logging.basicConfig(level=log_level, format="[%(asctime)s] %(message)s")
     run(p.parse_args(argv))
     return 0
+
+
+# ---- the parallelism benchmarks (bench ep, bench tp): N ranks against one -----------------
+def median_run(run_once, repeats: int) -> dict:
+    """The median (by tokens_per_s) of ``repeats`` results of ``run_once()``, with every
+    run's rate in ``tokens_per_s_runs``."""
+    runs = [run_once() for _ in range(repeats)]
+    best = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+    best["tokens_per_s_runs"] = [round(r["tokens_per_s"], 1) for r in runs]
+    return best
+
+
+def print_comm_table(rows: list[dict], label: str, size_key: str) -> None:
+    """One line per group size: tok/s, forward seconds, collective seconds and share, bytes
+    per token per layer."""
+    print(f"{label:>3} {'tok/s':>8} {'fwd s':>7} {'comm s':>7} {'comm %':>7} {'B/tok/layer':>12}")
+    for r in rows:
+        print(f"{r[size_key]:>3} {r['tokens_per_s']:>8.1f} {r['forward_s']:>7.2f} "
+              f"{r['comm_s']:>7.2f} {100 * r['comm_share_of_forward']:>6.1f}% "
+              f"{r['bytes_per_token_per_layer']:>12.0f}")
+
+
+def add_group_arguments(p, sizes_flag: str, default_sizes: list[int]) -> None:
+    """The workload and repeat flags both parallelism benchmarks take."""
+    p.add_argument(sizes_flag, default=default_sizes,
+                   type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    add_engine_arguments(p, ("max_total_tokens",), max_total_tokens=8192)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--output", default=None, help="write the results as JSON here")
+
+
+def report_group(rows: list[dict], args, label: str, size_key: str, model: str, facts: dict,
+                 formula_line: str) -> dict:
+    """A parallelism benchmark's result: the workload, ``facts`` (its formula), the TP/EP N
+    over 1 rate ratio and ``rows``; printed as a table and the formula line, saved to
+    ``args.output``."""
+    import os
+    out = {"model": model, "requests": args.requests, "prompt_len": args.prompt_len,
+           "max_new_tokens": args.max_new_tokens, "threads_per_rank": args.threads,
+           "cpu_count": os.cpu_count(), **facts,
+           "median_tokens_per_s_ratio": rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"],
+           "results": rows}
+    print_comm_table(rows, label, size_key)
+    print(f"{formula_line}; each row the median of {args.repeats} runs")
+    save_json(out, args.output)
+    return out

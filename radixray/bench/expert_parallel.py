@@ -20,11 +20,15 @@ share the cores); the point is what the collectives cost.
 from __future__ import annotations
 
 import logging
-import os
 import tempfile
 import time
 
-from radixray.bench import add_engine_arguments, random_token_prompts, save_json
+from radixray.bench import (
+    add_group_arguments,
+    median_run,
+    random_token_prompts,
+    report_group,
+)
 from radixray.engine.ep.group import free_tcp_address
 
 logger = logging.getLogger(__name__)
@@ -128,9 +132,7 @@ def run(args) -> dict:
             "threads": args.threads, "timeout_s": args.timeout_s}
     rows = []
     for size in args.ep_sizes:
-        per = [run_size(model, size, prompts, opts) for _ in range(args.repeats)]
-        best = sorted(per, key=lambda r: r["tokens_per_s"])[len(per) // 2]  # the median run
-        best["tokens_per_s_runs"] = [round(r["tokens_per_s"], 1) for r in per]
+        best = median_run(lambda size=size: run_size(model, size, prompts, opts), args.repeats)
         rows.append(best)
         logger.info("EP %d: %.1f tok/s (median of %s), comm %.1f%% of forward time, %.0f B "
                     "per token per MoE layer", size, best["tokens_per_s"],
@@ -139,22 +141,11 @@ def run(args) -> dict:
     first = rows[0]["ranks"][0]
     dispatch, combine = a2a_bytes_per_token(first["hidden"], first["top_k"],
                                             getattr(torch, first["dtype"]))
-    out = {"model": args.model or "tiny random Qwen3-MoE (bench/expert_parallel.py)",
-           "requests": args.requests, "prompt_len": args.prompt_len,
-           "max_new_tokens": args.max_new_tokens, "cpu_count": os.cpu_count(),
-           "formula_bytes_per_token_per_layer_all_remote": dispatch + combine,
-           "median_tokens_per_s_ratio": rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"],
-           "results": rows}
-    print(f"{'EP':>3} {'tok/s':>8} {'fwd s':>7} {'comm s':>7} {'comm %':>7} {'B/tok/layer':>12}")
-    for r in rows:
-        print(f"{r['ep_size']:>3} {r['tokens_per_s']:>8.1f} {r['forward_s']:>7.2f} "
-              f"{r['comm_s']:>7.2f} {100 * r['comm_share_of_forward']:>6.1f}% "
-              f"{r['bytes_per_token_per_layer']:>12.0f}")
-    print(f"formula, every expert remote: {dispatch + combine} B per token per MoE layer "
-          f"({dispatch} dispatch + {combine} combine); each row the median of "
-          f"{args.repeats} runs")
-    save_json(out, args.output)
-    return out
+    return report_group(
+        rows, args, "EP", "ep_size", args.model or "tiny random Qwen3-MoE (bench/expert_parallel.py)",
+        {"formula_bytes_per_token_per_layer_all_remote": dispatch + combine},
+        f"formula, every expert remote: {dispatch + combine} B per token per MoE layer "
+        f"({dispatch} dispatch + {combine} combine)")
 
 
 def add_parser(bench_subparsers) -> None:
@@ -162,13 +153,6 @@ def add_parser(bench_subparsers) -> None:
                                     "the cost of the MoE exchanges")
     p.add_argument("--model", default=None, help="a Hugging Face MoE folder (default: a tiny "
                    "random Qwen3-MoE built for the run)")
-    p.add_argument("--ep-sizes", default=[1, 2], type=lambda s: [int(x) for x in s.split(",")])
-    p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    add_engine_arguments(p, ("max_total_tokens",), max_total_tokens=8192)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--repeats", type=int, default=3)
+    add_group_arguments(p, "--ep-sizes", [1, 2])
     p.add_argument("--timeout-s", type=float, default=600)
-    p.add_argument("--output", default=None, help="write the results as JSON here")
     p.set_defaults(func=lambda args: (run(args), 0)[1])

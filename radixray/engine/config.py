@@ -146,6 +146,12 @@ class EngineConfig:
         choices=("collectives", "deepep"))
     ep_timeout_s: float = option(300.0, "with ep_size > 1: a collective waiting this long "
                                  "for a rank fails the group (which is restarted whole)", gt=0)
+    tp_size: int = option(1, "tensor parallelism over this many ranks (one process each: "
+                          "rank 0 schedules, the others follow its forward passes; "
+                          "docs/tensor_parallelism.md); it must divide the query heads, and "
+                          "the KV heads or be a multiple of them", ge=1)
+    tp_timeout_s: float = option(300.0, "with tp_size > 1: a collective waiting this long "
+                                 "for a rank fails the group", gt=0)
     grammar_backend: str = option("xgrammar", "structured output (json_schema, regex, ebnf, "
                                   "structural_tag, response_format): xgrammar, or none to "
                                   "refuse such requests", choices=("xgrammar", "none"))

@@ -61,15 +61,16 @@ class Engine:
 
     def __init__(self, model: str = "default", *, worker_id: str = "engine",
                  kv_transport=None, ep_rank: int = 0, ep_init_method: str | None = None,
-                 **options):
+                 tp_init_method: str | None = None, **options):
         """``worker_id`` names this engine to a disaggregated peer, ``kv_transport`` replaces
-        its Mooncake transport (tests); ``ep_rank`` / ``ep_init_method``: its EP rendezvous."""
+        its Mooncake transport (tests); ``ep_rank`` / ``ep_init_method`` / ``tp_init_method``:
+        its group rendezvous (TP: as rank 0; None starts local follower processes)."""
         self.config = EngineConfig.from_kwargs(model=model, **options)
         self.worker_id = worker_id
         source = resolve_model(self.config.model)
         self.tokenizer = source.tokenizer
         self.hf_config = source.config
-        self.runner = ModelRunner(self.config, source, ep_rank, ep_init_method)
+        self.runner = ModelRunner(self.config, source, ep_rank, ep_init_method, 0, tp_init_method)
         stop_checker = StopChecker(self.tokenizer, eos_token_ids(self.tokenizer, source.config))
         self._subs = Subscribers(self.config.stream_interval, lambda: self.weights.version,
                                  self.abort)
@@ -451,6 +452,7 @@ class Engine:
         self.weights.close()
         if self.pd is not None:
             self.pd.close()
+        self.runner.close()
 
     def __enter__(self):
         return self

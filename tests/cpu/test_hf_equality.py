@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_fixtures import random_prompts, run_all_modes
+from model_fixtures import SMOL_PROMPTS, random_prompts, run_all_modes
 
 BACKENDS = {
     "fused": {},  # C++ CPU kernels + cpu_paged attention (the default when they build)
@@ -25,18 +25,6 @@ def test_tiny_models_match_hf(kind, backend, request):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     run_all_modes(model_dir, random_prompts(hf.config.vocab_size), hf, f"{kind}/{backend}",
                   **BACKENDS[backend])
-
-
-SMOL_PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a small village by the sea,",
-    "List three primary colors:",
-    "Translate to French: Good morning, how are you?",
-    "The quick brown fox",
-    "<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n",
-    "Water boils at a temperature of",
-]
 
 
 @pytest.mark.slow  # 80 s; the converted folder's greedy output is checked against

@@ -24,6 +24,9 @@ from radixray.engine.models import model_class_for
 from radixray.engine.models.routed_experts import SlotRoutes, record_routes
 from radixray.engine.request import Req
 from radixray.engine.speculative.options import speculative_running_rows
+from radixray.engine.tp.launch import join_tp_group
+from radixray.engine.tp.options import check_tp_options, tp_summary
+from radixray.engine.tp.runtime import DriverMirror, Stop
 from radixray.engine.weights.loader import ModelSource
 from radixray.kernels.cpu_ops import BatchInvariantKernels, CpuKernels
 from radixray.kernels.int8_linear import quantize_linears
@@ -78,10 +81,13 @@ class ModelRunner:
     """
 
     def __init__(self, config: EngineConfig, source: ModelSource, ep_rank: int = 0,
-                 ep_init_method: str | None = None):
+                 ep_init_method: str | None = None, tp_rank: int = 0,
+                 tp_init_method: str | None = None):
         """``ep_rank`` / ``ep_init_method``: with ep_size > 1, this engine's rank and its
         group's rendezvous; ``self.ep`` is then its ExpertParallelGroup (engine/ep/group.py),
-        joined once the options are known to suit the model."""
+        joined once the options are known to suit the model. ``tp_rank`` /
+        ``tp_init_method``: the same for tp_size > 1 (``self.tp``, engine/tp/); rank 0
+        without a rendezvous starts its follower ranks as local processes."""
         self.config = config
         self.device = config.device
         if self.device != "cpu" and not torch.cuda.is_available():
@@ -106,9 +112,13 @@ class ModelRunner:
                                       and self.dtype == torch.float32)
         model_class = model_class_for(hf)
         expert_options = model_expert_options(config, model_class)  # refuses before joining
+        check_tp_options(config, hf, model_class)  # refuses before joining
         self.ep = ep = join_ep_group(config, ep_rank, ep_init_method)
         if ep is not None:
             expert_options["ep_rank"] = ep.rank
+        self.tp, self.tp_followers = join_tp_group(config, tp_rank, tp_init_method)
+        if self.tp.size > 1:
+            expert_options["tp"] = self.tp
         self.model = model_class(hf, self.dtype, max_positions=self.context_len,
                                  kernels=self.kernels, **expert_options)
         # MoE models record routes and expert load; a dense model's decode step skips it
@@ -125,9 +135,10 @@ class ModelRunner:
         load_s = self.weight_load_seconds = time.perf_counter() - t0
 
         head_dim = head_dim_of(hf)
+        kv_heads = self.model.attention_layers()[0].num_kv_heads  # this rank's
         self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else _KV_DTYPES[config.kv_cache_dtype]
         self.bytes_per_token = kv_bytes_per_token(
-            hf.num_hidden_layers, hf.num_key_value_heads, head_dim, self.kv_dtype)
+            hf.num_hidden_layers, kv_heads, head_dim, self.kv_dtype)
         if config.max_total_tokens is not None:
             self.max_total_tokens = config.max_total_tokens
         else:
@@ -142,10 +153,14 @@ class ModelRunner:
         default_rows = speculative_running_rows(config, default_rows)
         self.max_running_requests = min(config.max_running_requests or default_rows,
                                         self.max_total_tokens)
+        # every rank of a tensor-parallel group has the same slots and rows (the fewest)
+        self.max_total_tokens, self.max_running_requests = self.tp.min_over_ranks(
+            [self.max_total_tokens, self.max_running_requests])
 
-        self.kv_pool = KVPool(self.max_total_tokens, hf.num_hidden_layers, hf.num_key_value_heads,
+        self.kv_pool = KVPool(self.max_total_tokens, hf.num_hidden_layers, kv_heads,
                               head_dim, self.kv_dtype, self.device, ext=self.kernels.ext)
         self.req_pool = ReqToTokenPool(self.max_running_requests, self.context_len)
+        self.tp_mirror = DriverMirror(self.req_pool) if self.tp.size > 1 else None
         self.allocator = TokenSlotAllocator(self.max_total_tokens)
         scaling = attention_scaling(hf)
         backend = "cpu_batch_invariant" if config.deterministic else config.attention_backend
@@ -161,11 +176,11 @@ class ModelRunner:
 
         logger.info(
             "Model %s loaded in %.1f s: dtype=%s (%s), quantization=%s (%d linear layers, lm_head %s), "
-            "%d layers, %d kv heads, head_dim %d",
+            "%d layers, %d kv heads, head_dim %d%s",
             (getattr(hf, "architectures", None) or ["?"])[0], load_s, str(self.dtype).removeprefix("torch."),
             dtype_reason, config.quantization, self.quantized_layers,
             "int8" if config.quantize_lm_head else "unquantized", hf.num_hidden_layers,
-            hf.num_key_value_heads, head_dim)
+            hf.num_key_value_heads, head_dim, tp_summary(self.tp, self.model))
         logger.info(
             "KV cache: bytes_per_token=%d, max_total_num_tokens=%d, kv_cache_mb=%.1f, chunked_prefill_size=%s, "
             "max_prefill_tokens=%d, max_running_requests=%d, context_len=%d, kv_cache_dtype=%s, "
@@ -242,6 +257,8 @@ class ModelRunner:
         """fp32 logits ``[B, vocab]`` (on the model's device) for each request's last new token.
         Requests that asked for their routed experts get this step's (engine/models/routed_experts.py);
         those with prompt logprobs pending get this step's part of them appended."""
+        if self.tp_mirror is not None:  # the followers run this pass with us
+            self.tp.send(self.tp_mirror.message(batch))
         if self.device != "cpu":
             batch.to_device(self.device)
         self.attn_backend.init_forward_metadata(batch)
@@ -255,3 +272,16 @@ class ModelRunner:
         if self.eplb is not None:
             self.eplb.after_forward()
         return logits
+
+    def close(self) -> None:
+        """Stop the follower ranks this runner drives (tensor parallelism); idempotent."""
+        if self.tp_mirror is None or self.tp.rank != 0:
+            return
+        self.tp_mirror = None
+        try:
+            self.tp.send(Stop())
+        except Exception:  # noqa: BLE001 - a follower already gone: nothing to stop
+            logger.warning("could not tell the tensor-parallel followers to stop")
+        if self.tp_followers is not None:
+            self.tp_followers.stop()
+        self.tp.leave()

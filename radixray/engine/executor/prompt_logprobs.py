@@ -86,6 +86,13 @@ def plan_prompt_rows(items: list[tuple[Req, int]]) -> PromptLogprobRows | None:
                              torch.tensor(targets, dtype=torch.int64), owners)
 
 
+def projection_chunks(rows: int, vocab_size: int) -> list[tuple[int, int]]:
+    """The ``[start, stop)`` row ranges projected at a time (``LOGIT_CHUNK_BYTES`` of logits
+    each); a tensor-parallel follower projects the same ones."""
+    step = max(1, LOGIT_CHUNK_BYTES // (4 * vocab_size))
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
 @torch.inference_mode()
 def compute_prompt_logprobs(plan: PromptLogprobRows,
                             project: Callable[[torch.Tensor], torch.Tensor],
@@ -98,13 +105,12 @@ def compute_prompt_logprobs(plan: PromptLogprobRows,
         raise RuntimeError("the model did not keep the prompt rows' hidden states")
     targets = plan.targets.to(hidden.device)
     k_max = min(max(req.sampling.top_logprobs_num for req, _ in plan.owners), vocab_size)
-    step = max(1, LOGIT_CHUNK_BYTES // (4 * vocab_size))
     chosen: list[float] = []
     top_vals: list[list[float]] = []
     top_ids: list[list[int]] = []
-    for start in range(0, hidden.shape[0], step):
-        lp = log_probs(project(hidden[start:start + step]).float())
-        chosen.extend(lp.gather(1, targets[start:start + step].unsqueeze(1)).squeeze(1).tolist())
+    for start, stop in projection_chunks(hidden.shape[0], vocab_size):
+        lp = log_probs(project(hidden[start:stop]).float())
+        chosen.extend(lp.gather(1, targets[start:stop].unsqueeze(1)).squeeze(1).tolist())
         if k_max:
             vals, idx = lp.topk(k_max, dim=-1, sorted=True)
             top_vals.extend(vals.tolist())

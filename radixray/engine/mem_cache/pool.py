@@ -66,12 +66,19 @@ class ReqToTokenPool:
         self.table = torch.empty((max_requests + 1, context_len), dtype=torch.int64)
         self.table[0].zero_()
         self._free_rows = list(range(max_requests, 0, -1))
+        # how many times each row was handed out: a row's cells belong to one request per
+        # lease (a tensor-parallel driver resends a row's prefix on a new lease)
+        self.leases = [0] * (max_requests + 1)
 
     def available_size(self) -> int:
         return len(self._free_rows)
 
     def alloc(self) -> int | None:
-        return self._free_rows.pop() if self._free_rows else None
+        if not self._free_rows:
+            return None
+        row = self._free_rows.pop()
+        self.leases[row] += 1
+        return row
 
     def free(self, row: int) -> None:
         self._free_rows.append(row)

@@ -52,3 +52,24 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kernels: CpuKernels) -> torch.Tensor:
         """Rotate ``x`` of shape ``[T, heads, head_dim]`` by each token's position."""
         return kernels.rotary(x, positions, self.cos, self.sin)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding whose rows are split over the tensor-parallel ranks
+    (``shard``: a TPShard); each rank looks up the tokens in its rows, zeros for the rest,
+    and the sum over the ranks is every token's embedding. One rank: a plain lookup."""
+
+    def __init__(self, shard, hidden_size: int, tp):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shard.local_vocab, hidden_size))
+        self.start = shard.vocab_start
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return nn.functional.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(out)

@@ -1,5 +1,10 @@
 """Llama-family dense decoder: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (per-head q/k norm).
 
+With tensor parallelism (``tp``, engine/tp/) each rank builds the layers at its local sizes
+(its query and KV heads, its share of the intermediate size and of the vocabulary, as
+engine/tp/sharding.py says) and sums the row-parallel outputs and gathers the logits
+through ``tp``; with one rank those collectives are no-ops.
+
 Projections are fused (q|k|v into one matmul, gate|up into another) so a decode
 step launches as few ops as possible; ``load_weights`` maps Hugging Face
 parameter names onto the fused shards. The feed-forward block of each layer comes
@@ -15,19 +20,24 @@ import torch
 from torch import nn
 
 from radixray.engine.executor.forward_batch import ForwardBatch, ForwardMode
-from radixray.engine.models.layers import RMSNorm, RotaryEmbedding
+from radixray.engine.models.layers import RMSNorm, RotaryEmbedding, VocabParallelEmbedding
+from radixray.engine.tp.group import NO_TP, TensorParallel
+from radixray.engine.tp.sharding import TPShard
 from radixray.kernels.cpu_ops import CpuKernels, reference_kernels
 from radixray.kernels.int8_linear import Int8Linear
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_id: int, rotary: RotaryEmbedding, kernels: CpuKernels):
+    def __init__(self, config, layer_id: int, rotary: RotaryEmbedding, kernels: CpuKernels,
+                 tp: TensorParallel = NO_TP):
         super().__init__()
         self.kernels = kernels
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.tp = tp
+        shard = TPShard.of(config, tp.rank, tp.size)
+        self.num_heads = shard.local_heads  # this rank's (all of them with one rank)
+        self.num_kv_heads = shard.local_kv_heads
+        self.head_dim = shard.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # attention_bias (Llama, Qwen3, Qwen3-MoE) biases all four projections; Qwen2 and
@@ -54,22 +64,26 @@ class LlamaAttention(nn.Module):
         qk = self.rotary(positions, qk, self.kernels)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         out = self.attn.forward(q, k, v, self.layer_id, batch)
-        return self.kernels.project(out.reshape(-1, self.q_size).to(x.dtype), self.o_proj)
+        return self.tp.all_reduce(
+            self.kernels.project(out.reshape(-1, self.q_size).to(x.dtype), self.o_proj))
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward; ``intermediate_size`` overrides the config's (a shared expert)."""
+    """SwiGLU feed-forward; ``intermediate_size`` overrides the config's (a shared expert).
+    With ``tp``: this rank's share of the intermediate size, the output summed over ranks."""
 
-    def __init__(self, config, kernels: CpuKernels, intermediate_size: int | None = None):
+    def __init__(self, config, kernels: CpuKernels, intermediate_size: int | None = None,
+                 tp: TensorParallel = NO_TP):
         super().__init__()
         self.kernels = kernels
-        self.inter = intermediate_size or config.intermediate_size
+        self.tp = tp
+        self.inter = (intermediate_size or config.intermediate_size) // tp.size
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=bias)
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.gated_mlp(x, self.gate_up_proj, self.down_proj)
+        return self.tp.all_reduce(self.kernels.gated_mlp(x, self.gate_up_proj, self.down_proj))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -77,10 +91,10 @@ class LlamaDecoderLayer(nn.Module):
     (dense SwiGLU, or a mixture-of-experts block)."""
 
     def __init__(self, config, layer_id: int, rotary: RotaryEmbedding, kernels: CpuKernels,
-                 mlp: nn.Module):
+                 mlp: nn.Module, tp: TensorParallel = NO_TP):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.self_attn = LlamaAttention(config, layer_id, rotary, kernels)
+        self.self_attn = LlamaAttention(config, layer_id, rotary, kernels, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.mlp = mlp
 
@@ -103,28 +117,30 @@ class LlamaForCausalLM(nn.Module):
     ``batch.prompt_rows`` for :meth:`project`."""
 
     def __init__(self, config, dtype: torch.dtype = torch.float32, max_positions: int | None = None,
-                 kernels: CpuKernels | None = None):
+                 kernels: CpuKernels | None = None, tp: TensorParallel = NO_TP):
         super().__init__()
         self.config = config
         self.kernels = kernels = kernels or reference_kernels()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.tp = tp
+        self.tp_shard = shard = TPShard.of(config, tp.rank, tp.size)
         max_positions = max_positions or config.max_position_embeddings
-        self.rotary = RotaryEmbedding(config, head_dim, max_positions, dtype)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config, shard.head_dim, max_positions, dtype)
+        self.embed_tokens = VocabParallelEmbedding(shard, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary, kernels, self.make_mlp(config, i, kernels))
+            LlamaDecoderLayer(config, i, self.rotary, kernels, self.make_mlp(config, i, kernels),
+                              tp)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, shard.local_vocab, bias=False)
         self.lm_head_int8: Int8Linear | None = None  # set by quantize_lm_head
         self.to(dtype)
 
     def make_mlp(self, config, layer_id: int, kernels: CpuKernels) -> nn.Module:
         """The feed-forward block of layer ``layer_id`` (called once per layer while the
         constructor builds them)."""
-        return LlamaMLP(config, kernels)
+        return LlamaMLP(config, kernels, tp=self.tp)
 
     def quantize_lm_head(self, fused_ops: bool = True) -> None:
         """Run the logits projection as an int8 GEMM from now on (``Int8Linear`` over a
@@ -153,10 +169,16 @@ class LlamaForCausalLM(nn.Module):
         return self.project(h)
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
-        """fp32 logits ``[N, vocab]`` of final normed hidden states ``h`` ``[N, hidden]``."""
+        """fp32 logits ``[N, vocab]`` of final normed hidden states ``h`` ``[N, hidden]`` (with
+        tensor parallelism every rank calls it: each projects its vocabulary rows and the
+        logits are gathered)."""
         if self.lm_head_int8 is not None:
-            return self.lm_head_int8(h).float()
-        return self.kernels.linear(h, self.lm_head_weight).float()
+            logits = self.lm_head_int8(h).float()
+        else:
+            logits = self.kernels.linear(h, self.lm_head_weight).float()
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather(logits)[:, :self.config.vocab_size]
 
     # ---- weight loading -------------------------------------------------------------
     def fused_shards(self) -> dict[str, tuple[tuple[str, int | None], ...]]:

@@ -150,6 +150,16 @@ class WeightLayout:
                 if module.bias is not None:
                     self._add_target(f"{path}.bias", "int8", module, "bias", module.bias, fused)
         self.lm_head_target = "embed_tokens.weight" if self.tied else "lm_head.weight"
+        self.tp_shard = getattr(model, "tp_shard", None)  # tensor parallelism: its slice
+
+    def splits(self, name: str) -> bool:
+        """Whether this rank (tensor parallelism) keeps only a slice of tensor ``name``."""
+        return self.tp_shard is not None and self.tp_shard.splits(self.canonical(name))
+
+    def local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of checkpoint tensor ``name`` (engine/tp/sharding.py); the tensor
+        itself without tensor parallelism or for a tensor every rank holds whole."""
+        return self.tp_shard.local(self.canonical(name), tensor) if self.splits(name) else tensor
 
     def _add_target(self, name: str, kind: str, owner: nn.Module, attr: str, like: torch.Tensor,
                     fused: dict) -> None:
@@ -264,7 +274,7 @@ class WeightStage:
         if shard is None:
             return None
         target = self.layout.targets[shard.target]
-        if target.dtype != dtype or shard.gather is not None:
+        if target.dtype != dtype or shard.gather is not None or self.layout.splits(name):
             return None
         return shard.view(self._full(target))
 
@@ -282,6 +292,7 @@ class WeightStage:
         shard = self.shard(name)
         if shard is None:
             return
+        tensor = self.layout.local(name, tensor)
         if tuple(tensor.shape) != shard.shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}; the model expects "
                              f"{shard.shape}")

@@ -121,6 +121,9 @@ class WeightUpdater:
         self._ended.notify_all()
 
     def begin(self) -> None:
+        if self.runner.tp.size > 1:
+            raise ValueError(f"weight updates at tp_size={self.runner.tp.size} are not "
+                             "implemented yet (each rank must take its slice)")
         with self._lock:
             if self._stage is not None or self._undo is not None:
                 raise ValueError("a weight update session is already open: end_weight_update or "

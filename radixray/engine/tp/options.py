@@ -1,0 +1,49 @@
+"""Which engine options tensor parallelism works with so far, and its start-up log line.
+
+A refused combination raises ValueError naming both options before any rank joins a group.
+What is refused today is what the followers cannot mirror yet (they run forward passes
+only): state the driver changes outside a forward pass (a KV transfer, the host tier, a
+weight update, a memory release) and the expert-parallel models.
+"""
+
+from __future__ import annotations
+
+from radixray.engine.tp.sharding import TPShard, check_tp_size
+
+# option -> (the value TP works with today, why not otherwise)
+_NOT_YET = {
+    "ep_size": (1, "expert parallelism inside a tensor-parallel group"),
+    "disaggregation_mode": (None, "prefill-decode disaggregation (KV transfer into every rank)"),
+    "enable_hierarchical_cache": (False, "the hierarchical cache (host-tier copies on every "
+                                         "rank)"),
+    "enable_return_routed_experts": (False, "routed experts (MoE models)"),
+}
+
+
+def check_tp_options(config, hf_config, model_class) -> None:
+    """ValueError when ``config.tp_size`` does not suit the model (head counts) or an option
+    it does not work with yet."""
+    if config.tp_size == 1:
+        return
+    check_tp_size(hf_config, config.tp_size)
+    from radixray.engine.models.moe import MoeForCausalLM
+    if issubclass(model_class, MoeForCausalLM):
+        raise ValueError(f"tp_size={config.tp_size}: mixture-of-experts models are not "
+                         f"tensor-parallel yet; use ep_size for them")
+    for name, (wanted, what) in _NOT_YET.items():
+        if getattr(config, name) != wanted:
+            raise ValueError(f"tp_size={config.tp_size} with {name}={getattr(config, name)!r}: "
+                             f"{what} is not implemented yet")
+
+
+def tp_summary(tp, model) -> str:
+    """``, tensor-parallel rank r of n: q heads, kv heads, ...`` for the model load log (empty
+    with one rank)."""
+    if tp.size == 1:
+        return ""
+    shard: TPShard = model.tp_shard
+    return (f", tensor-parallel rank {tp.rank} of {tp.size}: {shard.local_heads} of "
+            f"{shard.num_heads} query heads, {shard.local_kv_heads} of {shard.num_kv_heads} KV "
+            f"heads (from head {shard.kv_head_start}), {shard.local_intermediate} of "
+            f"{shard.intermediate_size} MLP rows, vocabulary rows {shard.vocab_start}.."
+            f"{shard.vocab_start + shard.local_vocab}")
