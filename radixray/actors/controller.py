@@ -228,8 +228,8 @@ class Controller(FleetOperations):
         rank and rendezvous in an expert-parallel group."""
         from radixray.actors.engine_worker import worker_actor_class
         s = self.cfg.server
-        options = dict(num_cpus=s.worker_num_cpus, num_gpus=s.worker_num_gpus,
-                       max_concurrency=1000)
+        cpus, gpus = self.cfg.worker_resources()
+        options = dict(num_cpus=cpus, num_gpus=gpus, max_concurrency=1000)
         if self.placement_group is not None:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(

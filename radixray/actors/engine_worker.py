@@ -77,8 +77,10 @@ class EngineWorker:
         options = dict(engine_options)
         if not options.get("num_threads"):
             # Ray pins OMP_NUM_THREADS to the actor's CPU count; the forward pass wants the
-            # cores, split evenly between the workers placed on this node.
-            options["num_threads"] = max(1, len(os.sched_getaffinity(0)) // max(1, cores_shared_by))
+            # cores, split evenly between the workers placed on this node and the ranks of
+            # each (a tensor-parallel worker's followers are processes beside it).
+            ranks = max(1, cores_shared_by) * options.get("tp_size", 1)
+            options["num_threads"] = max(1, len(os.sched_getaffinity(0)) // ranks)
         self.worker_id = worker_id
         self.generation = generation
         self.engine = Engine(worker_id=worker_id, **options)

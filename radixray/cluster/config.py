@@ -332,10 +332,16 @@ class ServeConfig(BaseModel):
             opts["disaggregation_mode"] = role
         return opts
 
+    def worker_resources(self) -> tuple[float, float]:
+        """(CPUs, GPUs) one engine worker actor reserves: a tensor-parallel worker's follower
+        ranks are processes it starts beside it, so it reserves tp_size times as much."""
+        s, tp = self.server, self.engine.tp_size
+        return s.worker_num_cpus * tp, s.worker_num_gpus * tp
+
     def worker_bundle(self) -> dict:
         """The resources one engine worker's placement bundle asks for ({} when none)."""
-        s = self.server
-        return {k: v for k, v in (("CPU", s.worker_num_cpus), ("GPU", s.worker_num_gpus)) if v > 0}
+        cpus, gpus = self.worker_resources()
+        return {k: v for k, v in (("CPU", cpus), ("GPU", gpus)) if v > 0}
 
     def fleet_key(self) -> str:
         """Short hash of everything that shapes the fleet (engine, fleet, router, worker

@@ -6,6 +6,7 @@ that is already one (a Ray rank actor)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 
@@ -16,6 +17,8 @@ def run_follower(config, rank: int, init_method: str) -> None:
     from radixray.engine.executor.model_runner import ModelRunner
     from radixray.engine.tp.runtime import follow
     from radixray.engine.weights.loader import resolve_model
+    if config.device == "cuda":  # the driver's process sees the group's GPUs: one per rank
+        config = dataclasses.replace(config, device=f"cuda:{rank}")
     runner = ModelRunner(config, resolve_model(config.model), tp_rank=rank,
                          tp_init_method=init_method)
     try:
