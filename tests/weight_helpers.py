@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import torch
 from model_fixtures import assert_greedy_equal, hf_greedy
+from serving_helpers import free_port
 
 GREEDY_N = {"temperature": 0.0, "ignore_eos": True}
 
@@ -32,3 +37,28 @@ def assert_matches_hf(engine, hf_model, prompts: list[list[int]], new_tokens: in
         if version is not None:
             assert out["meta_info"]["weight_version"] == version
     return outs
+
+
+TRAINER = textwrap.dedent("""
+    import sys, torch
+    from safetensors.torch import load_file
+    from radixray.engine.weights.sync import WeightBroadcaster
+    port, path = int(sys.argv[1]), sys.argv[2]
+    tensors = load_file(path)
+    sender = WeightBroadcaster("127.0.0.1", port, world_size=2, group_name="g", backend="gloo",
+                               timeout_s=120)
+    named = sorted(tensors.items())
+    print(sender.send(named))
+    sender.close()
+""")
+
+
+def spawn_trainer(named: dict, folder) -> tuple[subprocess.Popen, int]:
+    """A trainer process (rank 0 on a free port) that will broadcast ``named`` in name order."""
+    from safetensors.torch import save_file
+    path = folder / "w.safetensors"
+    save_file({k: v.contiguous() for k, v in named.items()}, str(path))
+    port = free_port()
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(port), str(path)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return trainer, port

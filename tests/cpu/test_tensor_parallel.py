@@ -112,9 +112,61 @@ def test_what_tp_does_not_do_yet_is_refused_by_name(tiny_llama_dir, tiny_qwen3_m
     with pytest.raises(ValueError, match="enable_hierarchical_cache=True: the hierarchical"):
         Engine(model=tiny_llama_dir, dtype="float32", tp_size=2, enable_hierarchical_cache=True)
     with Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=2048, tp_size=2) as eng:
-        with pytest.raises(ValueError, match="weight updates at tp_size=2 are not implemented"):
-            eng.begin_weight_update()
+        eng.pause_generation("abort")
+        with pytest.raises(ValueError, match="release_memory_occupation at tp_size=2 is not"):
+            eng.release_memory_occupation()
+        eng.continue_generation()
         assert eng.generate(input_ids=[1, 2, 3], sampling_params=GREEDY)["output_ids"]
+
+
+@pytest.mark.slow
+def test_weight_updates_at_tp2_from_every_source_equal_hf(tiny_qwen3_dir, tmp_path):
+    """Tensor, disk and a trainer's broadcast: each rank takes its slice of the full
+    tensors, and greedy output equals HF's on the new weights; a rolled-back update (a
+    refused version, then an abort) leaves every rank on the old weights."""
+    from weight_helpers import assert_matches_hf, perturb, spawn_trainer
+
+    from radixray.engine.weights.sync import WeightBroadcaster
+    hf = _hf(tiny_qwen3_dir)
+    prompts = random_prompts(VOCAB)[2:5]
+    with Engine(model=tiny_qwen3_dir, dtype="float32", max_total_tokens=4096, tp_size=2,
+                check_kv_conservation=True) as eng:
+        eng.begin_weight_update()
+        eng.update_weights_from_tensor(list(perturb(hf, seed=1).items()))
+        eng.end_weight_update(1)
+        assert_matches_hf(eng, hf, prompts, 12, "tp2 tensor update", version=1)
+
+        perturb(hf, seed=2)
+        hf.save_pretrained(tmp_path / "v2", safe_serialization=True)
+        eng.begin_weight_update()
+        eng.update_weights_from_disk(str(tmp_path / "v2"))
+        eng.end_weight_update(2)
+        assert_matches_hf(eng, hf, prompts, 12, "tp2 disk update", version=2)
+
+        before = {n: p.detach().clone() for n, p in hf.named_parameters()}
+        eng.begin_weight_update()
+        eng.update_weights_from_tensor(list(perturb(hf, seed=4).items()))
+        eng.abort_weight_update()
+        with torch.no_grad():
+            for n, p in hf.named_parameters():
+                p.copy_(before[n])
+        assert_matches_hf(eng, hf, prompts, 12, "tp2 after an aborted update", version=2)
+
+        named = dict(sorted(perturb(hf, seed=3).items()))
+        trainer, port = spawn_trainer(named, tmp_path)
+        try:
+            eng.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=2,
+                                          group_name="g", backend="gloo")
+            eng.begin_weight_update()
+            eng.update_weights_from_distributed(*WeightBroadcaster.spec(named.items()),
+                                                group_name="g")
+            eng.end_weight_update(3)
+            _, err = trainer.communicate(timeout=120)
+            assert trainer.returncode == 0, err
+        finally:
+            trainer.kill()
+        assert_matches_hf(eng, hf, prompts, 12, "tp2 distributed update", version=3)
+        eng.check_kv_conservation()
 
 
 class _Config:

@@ -3,16 +3,11 @@ cache, partial updates, int8 repacking, and every refusal leaving the old weight
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 from engine_helpers import in_thread, wait_until
 from model_fixtures import random_prompts
-from serving_helpers import free_port
-from weight_helpers import GREEDY_N, assert_matches_hf, perturb
+from weight_helpers import GREEDY_N, assert_matches_hf, perturb, spawn_trainer
 
 from radixray import Engine
 from radixray.engine.weights.version import VersionRefused
@@ -209,36 +204,11 @@ def test_a_request_living_through_an_update_reports_version_spans(tiny_llama_dir
         eng.check_kv_conservation()
 
 
-TRAINER = textwrap.dedent("""
-    import sys, torch
-    from safetensors.torch import load_file
-    from radixray.engine.weights.sync import WeightBroadcaster
-    port, path = int(sys.argv[1]), sys.argv[2]
-    tensors = load_file(path)
-    sender = WeightBroadcaster("127.0.0.1", port, world_size=2, group_name="g", backend="gloo",
-                               timeout_s=120)
-    named = sorted(tensors.items())
-    print(sender.send(named))
-    sender.close()
-""")
-
-
-def _spawn_trainer(named: dict, folder) -> tuple[subprocess.Popen, int]:
-    """A trainer process (rank 0 on a free port) that will broadcast ``named`` in name order."""
-    from safetensors.torch import save_file
-    path = folder / "w.safetensors"
-    save_file({k: v.contiguous() for k, v in named.items()}, str(path))
-    port = free_port()
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(port), str(path)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return trainer, port
-
-
 def test_distributed_update_from_a_trainer_process_over_gloo(tiny_qwen3_dir, tmp_path):
     from radixray.engine.weights.sync import WeightBroadcaster
     hf = _hf(tiny_qwen3_dir)
     named = dict(sorted(perturb(hf, seed=7).items()))
-    trainer, port = _spawn_trainer(named, tmp_path)
+    trainer, port = spawn_trainer(named, tmp_path)
     try:
         with _engine(tiny_qwen3_dir) as eng:
             eng.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=2,
@@ -288,7 +258,7 @@ def test_default_model_takes_new_weights_by_every_path(tmp_path):
         assert_matches_hf(eng, hf, prompts, 12, "smollm2 disk", version=2)
 
         named = dict(sorted(perturb(hf, seed=13, scale=0.05).items()))
-        trainer, port = _spawn_trainer(named, tmp_path)
+        trainer, port = spawn_trainer(named, tmp_path)
         try:
             eng.init_weights_update_group("127.0.0.1", port, 1, 2, group_name="g")
             eng.begin_weight_update()

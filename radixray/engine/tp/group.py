@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 import time
 
 import torch
@@ -33,6 +34,7 @@ class TensorParallel:
         self.channel_group = channel_group  # gloo group of the step channel (long timeout)
         # the model's collectives so far: seconds inside them, calls, bytes each rank gave
         self.comm_seconds, self.comm_calls, self.comm_bytes = 0.0, 0, 0
+        self._send_lock = threading.Lock()
 
     @classmethod
     def join(cls, rank: int, size: int, init_method: str, backend: str = "gloo",
@@ -95,9 +97,11 @@ class TensorParallel:
         return t.tolist()
 
     def send(self, message) -> None:
-        """Rank 0: send ``message`` (any picklable object) to every other rank."""
+        """Rank 0: send ``message`` (any picklable object) to every other rank. Thread-safe:
+        steps and weight-session messages from several threads go out one at a time."""
         import torch.distributed as dist
-        dist.broadcast_object_list([message], src=0, group=self.channel_group)
+        with self._send_lock:
+            dist.broadcast_object_list([message], src=0, group=self.channel_group)
 
     def receive(self):
         """A follower rank: the next message rank 0 sends (waits up to the group's

@@ -26,6 +26,7 @@ import torch
 
 from radixray.engine.executor.forward_batch import ForwardBatch, ForwardMode
 from radixray.engine.executor.prompt_logprobs import projection_chunks
+from radixray.engine.tp.weights import FollowerWeights, WeightOp
 
 logger = logging.getLogger(__name__)
 
@@ -101,14 +102,19 @@ def apply_to_table(message: StepMessage, table: torch.Tensor) -> None:
 
 
 def follow(runner, tp) -> None:
-    """A follower rank's life: run every forward pass the driver sends until it stops (or
-    the channel breaks: the driver died)."""
+    """A follower rank's life: run every forward pass the driver sends, and mirror its
+    weight-update sessions (engine/tp/weights.py), until it stops (or the channel breaks:
+    the driver died)."""
     table = runner.req_pool.table
+    weights = FollowerWeights(runner.model)
     while True:
         message = tp.receive()
         if isinstance(message, Stop):
             logger.info("tensor-parallel rank %d: the driver stopped", tp.rank)
             return
+        if isinstance(message, WeightOp):
+            weights.apply(message)
+            continue
         apply_to_table(message, table)
         batch = message.batch()
         runner.attn_backend.init_forward_metadata(batch)

@@ -261,6 +261,8 @@ class WeightStage:
         self.layout = layout
         self.live = live
         self.fault_huge_pages = fault_huge_pages
+        # called with each checkpoint tensor staged, whole (a tensor-parallel driver relays it)
+        self.on_add = None
         self.staged: dict[str, torch.Tensor] = {}  # target name -> tensor of the target's shape
         self.written: dict[str, set[str]] = {}  # target name -> shard names written
         self.tensors = 0
@@ -283,8 +285,11 @@ class WeightStage:
         other slots take them too."""
         shard = self.shard(name)
         if shard is not None:
-            shard.replicate(self._full(self.layout.targets[shard.target]))
+            full = self._full(self.layout.targets[shard.target])
+            shard.replicate(full)
             self._note(shard, name)
+            if self.on_add is not None:
+                self.on_add(name, shard.view(full))
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Copy ``tensor`` into the rows ``name`` fills (dtype converted). ValueError names an
@@ -292,12 +297,14 @@ class WeightStage:
         shard = self.shard(name)
         if shard is None:
             return
-        tensor = self.layout.local(name, tensor)
+        whole, tensor = tensor, self.layout.local(name, tensor)
         if tuple(tensor.shape) != shard.shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}; the model expects "
                              f"{shard.shape}")
         shard.write(self._full(self.layout.targets[shard.target]), tensor)
         self._note(shard, name)
+        if self.on_add is not None:
+            self.on_add(name, whole)
 
     def add_all(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in named:

@@ -174,3 +174,15 @@ def read_gguf_tensors(gguf_path: str, config) -> dict[str, torch.Tensor]:
             w = reverse_gguf_permute(w, config.num_key_value_heads)
         out[hf] = w.contiguous()
     return out
+
+
+def safetensors_files(path: str) -> list[str]:
+    """The ``*.safetensors`` files of a Hugging Face folder, or ``[path]`` for one file."""
+    if os.path.isfile(path) and path.endswith(".safetensors"):
+        return [path]
+    if os.path.isdir(path):
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if files:
+            return files
+        raise FileNotFoundError(f"model_path {path!r} holds no *.safetensors files")
+    raise FileNotFoundError(f"model_path {path!r} is neither a folder nor a .safetensors file")

@@ -29,7 +29,6 @@ session is open, and ``begin`` waits while a rebalance holds it.
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import threading
@@ -40,7 +39,9 @@ from contextlib import contextmanager
 import torch
 
 from radixray.engine.messages import DEFAULT_GROUP  # noqa: F401 - part of this module's API
+from radixray.engine.tp.weights import WeightRelay
 from radixray.engine.weights.layout import Prepared, Undo, WeightLayout, WeightStage
+from radixray.engine.weights.loader import safetensors_files
 from radixray.engine.weights.sync import broadcast, close_group, dtype_from_name, open_group
 from radixray.engine.weights.version import (
     WeightVersion,
@@ -52,18 +53,6 @@ from radixray.engine.weights.version import (
 logger = logging.getLogger(__name__)
 
 SESSION_OPEN = "a weight-update session is open"  # WeightUpdater.exclusive's reason
-
-
-def safetensors_files(path: str) -> list[str]:
-    """The ``*.safetensors`` files of a Hugging Face folder, or ``[path]`` for one file."""
-    if os.path.isfile(path) and path.endswith(".safetensors"):
-        return [path]
-    if os.path.isdir(path):
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        if files:
-            return files
-        raise FileNotFoundError(f"model_path {path!r} holds no *.safetensors files")
-    raise FileNotFoundError(f"model_path {path!r} is neither a folder nor a .safetensors file")
 
 
 class WeightUpdater:
@@ -84,6 +73,8 @@ class WeightUpdater:
         self._groups: dict[str, tuple[object, int]] = {}  # name -> (process group, our rank)
         self._phases: dict[str, float] = {}
         self._lock = threading.RLock()
+        # tensor parallelism: every session step is mirrored on the followers (engine/tp/)
+        self.relay = WeightRelay(runner.tp) if runner.tp.size > 1 else None
         self._ended = threading.Condition(self._lock)  # notified when a session ends
         self.last: dict | None = None  # the result of the last finished update
 
@@ -121,9 +112,6 @@ class WeightUpdater:
         self._ended.notify_all()
 
     def begin(self) -> None:
-        if self.runner.tp.size > 1:
-            raise ValueError(f"weight updates at tp_size={self.runner.tp.size} are not "
-                             "implemented yet (each rank must take its slice)")
         with self._lock:
             if self._stage is not None or self._undo is not None:
                 raise ValueError("a weight update session is already open: end_weight_update or "
@@ -136,6 +124,9 @@ class WeightUpdater:
                                       fault_huge_pages="weights" not in self.memory.released)
             self._prepared = None
             self._phases = {"transfer": 0.0}
+            self._relay("begin")
+            if self.relay is not None:
+                self._stage.on_add = self.relay.tensor
 
     def abort(self) -> bool:
         """Drop the open session (nothing serving changes); False if none was open. A commit
@@ -144,6 +135,7 @@ class WeightUpdater:
             was = self._stage is not None
             self._stage = self._prepared = None
             self._closed()
+            self._relay("abort")
             return was
 
     def _stage_or_raise(self, call: str) -> WeightStage:
@@ -164,8 +156,11 @@ class WeightUpdater:
             except Exception as exc:
                 self._stage = None
                 self._closed()
+                self._relay("abort")
                 logger.warning("weight update session failed and was dropped: %s", exc)
                 raise
+            if self.relay is not None:
+                self.relay.flush()
             self._phases["transfer"] += time.perf_counter() - t0
             return {"tensors": stage.tensors - before[0], "bytes": stage.bytes - before[1]}
 
@@ -185,14 +180,21 @@ class WeightUpdater:
         from safetensors import safe_open
 
         def fill(stage: WeightStage) -> None:
-            for file in safetensors_files(path):
-                with safe_open(file, framework="pt") as st:
-                    for name in st.keys():
-                        stage.add(name, st.get_tensor(name))
+            if self.relay is not None:  # each follower reads the files itself
+                self.relay.paused = True
+            try:
+                for file in safetensors_files(path):
+                    with safe_open(file, framework="pt") as st:
+                        for name in st.keys():
+                            stage.add(name, st.get_tensor(name))
+            finally:
+                if self.relay is not None:
+                    self.relay.paused = False
             missing = stage.missing() if os.path.isdir(path) else []
             if missing:
                 raise ValueError(f"checkpoint folder {path!r} is missing {len(missing)} tensors, "
                                  f"e.g. {missing[:3]}")
+            self._relay("disk", path)
         return self._staging("update_weights_from_disk", fill)
 
     # ---- torch.distributed -------------------------------------------------------------
@@ -240,7 +242,8 @@ class WeightUpdater:
             kinds = [dtype_from_name(d) for d in dtypes]
             for name, shape in zip(names, shapes):  # validate everything before receiving
                 shard = stage.shard(name)
-                if shard is not None and tuple(shard.shape) != tuple(shape):
+                local = stage.layout.local(name, torch.empty(tuple(shape), device="meta"))
+                if shard is not None and tuple(shard.shape) != tuple(local.shape):
                     raise ValueError(f"tensor {name!r} has shape {tuple(shape)}; the model "
                                      f"expects {shard.shape}")
             for name, dtype, shape in zip(names, kinds, shapes):
@@ -276,7 +279,9 @@ class WeightUpdater:
             except Exception:
                 self._stage = None
                 self._closed()
+                self._relay("abort")
                 raise
+            self._relay("prepare")
             self._prepared = (version, prepared)
             self._phases["load"] = time.perf_counter() - t0
             return {"weight_version": version, "tensors": prepared.tensors, "bytes": prepared.bytes}
@@ -288,6 +293,7 @@ class WeightUpdater:
                 raise ValueError("commit: no prepared weight update (call prepare first)")
             t0 = time.perf_counter()
             version, prepared = self._prepared
+            self._relay("commit")
             self._undo = (self.version, self.floor, prepared.commit())
             self._stage = self._prepared = None
             self.floor = raise_floor(self.floor, version)
@@ -302,6 +308,7 @@ class WeightUpdater:
             if self._undo is None:
                 return False
             old_version, self.floor, undo = self._undo
+            self._relay("rollback")
             undo.rollback()
             self._undo = None
             self._closed()
@@ -317,6 +324,7 @@ class WeightUpdater:
             previous = self._undo[0]
             self._undo = None
             self._closed()
+            self._relay("finish")
             # Released weights were replaced whole: only what no update sends (the rotary
             # tables) is read back; a rollback before this point still finds them released.
             self.memory.replaced()
@@ -356,6 +364,11 @@ class WeightUpdater:
                 rename_last_span(req, version)
             logger.info("weight version %r renamed %r", previous, version)
             return {"weight_version": version, "previous_version": previous}
+
+    def _relay(self, kind: str, *args) -> None:
+        """Mirror one session step on the tensor-parallel followers (none without TP)."""
+        if self.relay is not None:
+            self.relay.op(kind, *args)
 
     def _set_version(self, scheduler, version: WeightVersion) -> None:
         """Serve new weights as ``version``: a new cache generation (KV of the weights before
