@@ -111,12 +111,23 @@ def test_what_tp_does_not_do_yet_is_refused_by_name(tiny_llama_dir, tiny_qwen3_m
         Engine(model=tiny_qwen3_moe_dir, dtype="float32", tp_size=2)
     with pytest.raises(ValueError, match="enable_hierarchical_cache=True: the hierarchical"):
         Engine(model=tiny_llama_dir, dtype="float32", tp_size=2, enable_hierarchical_cache=True)
-    with Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=2048, tp_size=2) as eng:
+
+
+def test_memory_release_and_resume_at_tp2_keep_the_output(tiny_llama_dir):
+    """Every rank frees its shard's KV and weights and gets them back: the same tokens."""
+    prompts = random_prompts(VOCAB)[:4]
+    with Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=2048, tp_size=2,
+                check_kv_conservation=True) as eng:
+        before = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)]
         eng.pause_generation("abort")
-        with pytest.raises(ValueError, match="release_memory_occupation at tp_size=2 is not"):
-            eng.release_memory_occupation()
+        freed = eng.release_memory_occupation()
+        assert freed["released"] == ["kv_cache", "weights"] and freed["bytes"] > 0
+        eng.resume_memory_occupation()
         eng.continue_generation()
-        assert eng.generate(input_ids=[1, 2, 3], sampling_params=GREEDY)["output_ids"]
+        eng.flush_cache()
+        after = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)]
+        assert after == before
+        eng.check_kv_conservation()
 
 
 @pytest.mark.slow
@@ -152,6 +163,15 @@ def test_weight_updates_at_tp2_from_every_source_equal_hf(tiny_qwen3_dir, tmp_pa
                 p.copy_(before[n])
         assert_matches_hf(eng, hf, prompts, 12, "tp2 after an aborted update", version=2)
 
+        # released weights replaced by a full update (the colocated trainer's path)
+        eng.pause_generation("retract")
+        eng.release_memory_occupation(["weights"])
+        eng.begin_weight_update()
+        eng.update_weights_from_tensor(list(perturb(hf, seed=5).items()))
+        eng.end_weight_update(4)
+        eng.continue_generation()
+        assert_matches_hf(eng, hf, prompts, 12, "tp2 update of released weights", version=4)
+
         named = dict(sorted(perturb(hf, seed=3).items()))
         trainer, port = spawn_trainer(named, tmp_path)
         try:
@@ -160,12 +180,12 @@ def test_weight_updates_at_tp2_from_every_source_equal_hf(tiny_qwen3_dir, tmp_pa
             eng.begin_weight_update()
             eng.update_weights_from_distributed(*WeightBroadcaster.spec(named.items()),
                                                 group_name="g")
-            eng.end_weight_update(3)
+            eng.end_weight_update(5)
             _, err = trainer.communicate(timeout=120)
             assert trainer.returncode == 0, err
         finally:
             trainer.kill()
-        assert_matches_hf(eng, hf, prompts, 12, "tp2 distributed update", version=3)
+        assert_matches_hf(eng, hf, prompts, 12, "tp2 distributed update", version=5)
         eng.check_kv_conservation()
 
 

@@ -40,110 +40,24 @@ paused first, and ``continue_generation`` refuses while any tag is released
 
 from __future__ import annotations
 
-import ctypes
-import itertools
 import logging
-import os
-import sys
-import tempfile
 import time
-from dataclasses import dataclass, field
-from typing import IO
-
-import torch
+from dataclasses import dataclass
 
 from radixray.engine.control import MEMORY_TAGS
-from radixray.engine.mem_cache.hugepages import advise_huge_pages
+from radixray.engine.mem_cache.storage_saver import StorageSaver
 
 logger = logging.getLogger(__name__)
 
-_IO_CHUNK = 1 << 30  # bytes per pwrite/preadv call (Linux moves at most ~2 GiB per call)
 
 
-def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A flat uint8 tensor over all of ``storage``: no copy."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+@dataclass(frozen=True)
+class MemoryOp:
+    """A release or resume (or the weights replaced by an update) for the tensor-parallel
+    followers to mirror on their shards."""
 
-
-_PyBUF_WRITE = 0x200
-_memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
-_memory_view.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
-_memory_view.restype = ctypes.py_object
-
-
-def _host_buffer(storage: torch.UntypedStorage) -> memoryview:
-    """A writable memoryview over a CPU storage's bytes, for the spill file's reads and writes.
-
-    Not ``tensor.numpy()``: that marks the storage not resizable for good. Valid only
-    while the storage keeps its current allocation."""
-    return _memory_view(storage.data_ptr(), storage.nbytes(), _PyBUF_WRITE)
-
-
-def _distinct_storages(tensors) -> list[torch.UntypedStorage]:
-    """The storages under ``tensors``, each once (views and tied tensors share one), in first-seen
-    order; empty ones and ones that cannot be resized (memory-mapped files) are left out."""
-    seen: dict[int, torch.UntypedStorage] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        if storage.nbytes() and storage.data_ptr() not in seen:
-            if not storage.resizable():
-                logger.warning("memory saver: a %.1f MiB storage is not resizable (mapped file?); "
-                               "it stays", storage.nbytes() / 2**20)
-                continue
-            seen[storage.data_ptr()] = storage
-    return list(seen.values())
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:done + _IO_CHUNK], offset + done)
-
-
-def _pread_all(fd: int, into: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(into):
-        n = os.preadv(fd, [into[done:done + _IO_CHUNK]], offset + done)
-        if n == 0:
-            raise OSError(f"spill file ended {len(into) - done} bytes early")
-        done += n
-
-
-@dataclass
-class _Released:
-    """One tag's freed storages and their sizes, plus (weights) where their bytes wait."""
-
-    storages: list[torch.UntypedStorage]
-    sizes: list[int]
-    spill_file: IO[bytes] | None = None  # CPU weights: unnamed temp file, storage i at offsets[i]
-    offsets: list[int] = field(default_factory=list)
-    copies: list[torch.Tensor | None] = field(default_factory=list)  # CUDA weights: CPU bytes
-    # weights: per storage, whether a full weight update replaces it (parameters, int8
-    # buffers) rather than needing its bytes back (the rotary tables)
-    replaceable: list[bool] = field(default_factory=list)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.sizes)
-
-
-def _subset(rel: _Released, pick: list[bool]) -> _Released:
-    """The storages of ``rel`` where ``pick`` is true, sharing its spill file and copies."""
-    idx = [i for i, p in enumerate(pick) if p]
-    return _Released([rel.storages[i] for i in idx], [rel.sizes[i] for i in idx],
-                     rel.spill_file, [rel.offsets[i] for i in idx],
-                     [rel.copies[i] for i in idx])
-
-
-def _malloc_trim() -> None:
-    """glibc's ``malloc_trim(0)``: give every arena's free pages back to the kernel (no-op
-    elsewhere)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
-        pass
+    kind: str  # release | resume | replaced
+    tags: tuple = ()
 
 
 def _check_tags(what: str, tags, default) -> list[str]:
@@ -155,11 +69,6 @@ def _check_tags(what: str, tags, default) -> list[str]:
             raise ValueError(f"{what}: unknown tag {tag!r}; the tags are {list(MEMORY_TAGS)}")
     return [t for t in MEMORY_TAGS if t in tags]
 
-
-def spill_dir() -> str:
-    """Where CPU weights wait while released: ``<cache_dir>/spill``."""
-    from radixray.engine.weights.loader import cache_dir
-    return os.path.join(cache_dir(), "spill")
 
 
 class MemorySaver:
@@ -173,7 +82,7 @@ class MemorySaver:
         self.runner = runner
         self.scheduler = scheduler
         self.released: set[str] = scheduler.memory_released
-        self._state: dict[str, _Released] = {}
+        self.storages = StorageSaver(runner, self.released)
 
     # ---- public ------------------------------------------------------------------------
     def release(self, tags: list[str] | str | None) -> dict:
@@ -185,9 +94,6 @@ class MemorySaver:
         ``weights`` spill their bytes first and get them back on :meth:`resume`.
         Returns ``{"tags", "bytes" (freed), "seconds", "released" (all released now)}``.
         """
-        if self.runner.tp.size > 1:
-            raise ValueError(f"release_memory_occupation at tp_size={self.runner.tp.size} is "
-                             "not implemented yet (every rank must release)")
         tags = _check_tags("release_memory_occupation", tags, default=MEMORY_TAGS)
         for tag in tags:
             if tag in self.released:
@@ -205,23 +111,11 @@ class MemorySaver:
                     f"request(s) hold KV (pause mode {s.paused!r} keeps it); call "
                     "pause_generation(mode='retract') or pause_generation(mode='abort') first")
         t0 = time.perf_counter()
-        state: dict[str, _Released] = {}
-        if "weights" in tags:
-            state["weights"] = self._spill_weights()  # may raise: nothing is freed yet
         if "kv_cache" in tags:
-            try:
-                state["kv_cache"] = self._flush_kv()
-            except BaseException:
-                if "weights" in state and state["weights"].spill_file is not None:
-                    state["weights"].spill_file.close()
-                raise
-        for tag in tags:
-            for storage in state[tag].storages:
-                storage.resize_(0)
-        self._return_freed_memory(state.values())
-        self._state.update(state)
-        self.released.update(tags)
-        return self._report("release_memory_occupation", "freed", tags, state.values(), t0)
+            self._flush_kv()
+        state = self.storages.release(tags)
+        self._relay(MemoryOp("release", tuple(tags)))
+        return self._report("release_memory_occupation", "freed", tags, state, t0)
 
     def resume(self, tags: list[str] | str | None) -> dict:
         """Allocate the memory of released ``tags`` again (None: every released tag).
@@ -236,24 +130,8 @@ class MemorySaver:
             if tag not in self.released:
                 raise ValueError(f"resume_memory_occupation: {tag!r} is not released")
         t0 = time.perf_counter()
-        state = [self._state[tag] for tag in tags]
-        grown: list[torch.UntypedStorage] = []
-        try:
-            for rel in state:
-                for storage, n in zip(rel.storages, rel.sizes):
-                    storage.resize_(n)
-                    grown.append(storage)
-            for tag, rel in zip(tags, state):
-                self._fill(tag, rel)
-        except BaseException:
-            for storage in grown:  # all or nothing: the tags stay released, the spill stays
-                storage.resize_(0)
-            raise
-        for tag, rel in zip(tags, state):
-            if rel.spill_file is not None:
-                rel.spill_file.close()  # unnamed file: closing deletes it
-            del self._state[tag]
-            self.released.discard(tag)
+        state = self.storages.resume(tags)
+        self._relay(MemoryOp("resume", tuple(tags)))
         if "kv_cache" in tags:
             kv = self.scheduler.kv
             if kv.allocator.available_size() == kv.pool_size and kv.cache.total_size() == 0:
@@ -262,29 +140,22 @@ class MemorySaver:
         return self._report("resume_memory_occupation", "restored", tags, state, t0)
 
     def replaced(self) -> bool:
-        """A full weight update replaced the released weights (its commit gave every
-        parameter and int8 buffer new memory): read back only what the update did not
-        replace, drop the spill, and the weights are no longer released. False (nothing
-        done) when the weights are not released."""
-        rel = self._state.get("weights")
-        if rel is None:
-            return False
-        keep = _subset(rel, [not r for r in rel.replaceable])
-        for storage, n in zip(keep.storages, keep.sizes):
-            storage.resize_(n)
-        self._fill("weights", keep)
-        if rel.spill_file is not None:
-            rel.spill_file.close()
-        del self._state["weights"]
-        self.released.discard("weights")
-        logger.info("released weights replaced by a weight update (%.1f MiB never read back)",
-                    sum(n for n, r in zip(rel.sizes, rel.replaceable) if r) / 2**20)
-        return True
+        """A full weight update replaced the released weights: see
+        :meth:`StorageSaver.replaced` (on every tensor-parallel rank)."""
+        done = self.storages.replaced()
+        if done:
+            self._relay(MemoryOp("replaced", ()))
+        return done
+
+    def _relay(self, op) -> None:
+        """Tensor parallelism: the followers free and restore their shards' memory too."""
+        if self.runner.tp.size > 1:
+            self.runner.tp.send(op)
 
     # ---- internals ---------------------------------------------------------------------
-    def _flush_kv(self) -> _Released:
+    def _flush_kv(self) -> None:
         """Empty the radix cache (no request holds KV: checked by the caller), so every slot
-        is free; the KV pool's storages are what to free."""
+        is free and the KV pool's storages may go."""
         s = self.scheduler
         s.check_kv_conservation()
         if not s.kv.flush_cache():
@@ -292,74 +163,6 @@ class MemorySaver:
         s.check_kv_conservation()
         if s.kv.allocator.available_size() != s.kv.pool_size:
             raise AssertionError("KV slots are held after flushing the cache")
-        pool = self.runner.kv_pool
-        storages = _distinct_storages(pool.k_buffers + pool.v_buffers)
-        return _Released(storages, [st.nbytes() for st in storages])
-
-    def _spill_weights(self) -> _Released:
-        """Save every weight storage's bytes (CPU: one unnamed file; CUDA: CPU copies)."""
-        from radixray.kernels.int8_linear import Int8Linear
-        model = self.runner.model
-        storages = _distinct_storages(itertools.chain(model.parameters(), model.buffers()))
-        int8 = [b for m in model.modules() if isinstance(m, Int8Linear)
-                for b in m.buffers(recurse=False) if b is not None]
-        updated = {st.data_ptr() for st in _distinct_storages(itertools.chain(model.parameters(),
-                                                                               int8))}
-        rel = _Released(storages, [st.nbytes() for st in storages],
-                        replaceable=[st.data_ptr() in updated for st in storages])
-        on_cpu = [st.device.type == "cpu" for st in storages]
-        if any(on_cpu):
-            os.makedirs(spill_dir(), exist_ok=True)
-            rel.spill_file = tempfile.TemporaryFile(dir=spill_dir(), prefix="weights-")
-        try:
-            offset = 0
-            for storage, cpu in zip(storages, on_cpu):
-                if cpu:
-                    rel.offsets.append(offset)
-                    _pwrite_all(rel.spill_file.fileno(), _host_buffer(storage), offset)
-                    offset += storage.nbytes()
-                    rel.copies.append(None)
-                else:
-                    copy = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=True)
-                    copy.copy_(_bytes_of(storage), non_blocking=True)
-                    rel.offsets.append(-1)
-                    rel.copies.append(copy)
-            if not all(on_cpu):
-                torch.cuda.synchronize()
-        except BaseException:
-            if rel.spill_file is not None:
-                rel.spill_file.close()
-            raise
-        return rel
-
-    @staticmethod
-    def _fill(tag: str, rel: _Released) -> None:
-        """Fill freshly allocated storages: the weights' saved bytes, or zeros for the KV pool."""
-        cuda = False
-        for i, storage in enumerate(rel.storages):
-            data = _bytes_of(storage)
-            advise_huge_pages(data)  # CPU only; the new memory is still untouched here
-            if tag == "kv_cache":
-                data.zero_()
-            elif rel.copies[i] is not None:
-                data.copy_(rel.copies[i], non_blocking=True)
-                cuda = True
-            else:
-                _pread_all(rel.spill_file.fileno(), _host_buffer(storage), rel.offsets[i])
-        if cuda:
-            torch.cuda.synchronize()
-
-    @staticmethod
-    def _return_freed_memory(released) -> None:
-        """Make sure freed bytes leave the process: torch's CUDA caching allocator keeps
-        them until ``empty_cache``; glibc keeps freed chunks below its mmap threshold
-        (which rises to the size of the last mmapped chunk freed, up to 32 MiB) in its
-        arenas until ``malloc_trim``."""
-        devices = {st.device.type for rel in released for st in rel.storages}
-        if "cuda" in devices:
-            torch.cuda.empty_cache()
-        if "cpu" in devices:
-            _malloc_trim()
 
     def _report(self, what: str, verb: str, tags: list[str], state, t0: float) -> dict:
         nbytes = sum(rel.nbytes for rel in state)

@@ -2,8 +2,8 @@
 
 A refused combination raises ValueError naming both options before any rank joins a group.
 What is refused today is what the followers cannot mirror yet (they run forward passes
-only, and weight-update sessions): state the driver changes outside a forward pass (a KV
-transfer, the host tier, a memory release) and the expert-parallel models.
+only, weight-update sessions and memory releases): state the driver changes outside a
+forward pass (a KV transfer, the host tier) and the expert-parallel models.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ import torch
 
 from radixray.engine.executor.forward_batch import ForwardBatch, ForwardMode
 from radixray.engine.executor.prompt_logprobs import projection_chunks
+from radixray.engine.mem_cache.memory_saver import MemoryOp
+from radixray.engine.mem_cache.storage_saver import StorageSaver
 from radixray.engine.tp.weights import FollowerWeights, WeightOp
 
 logger = logging.getLogger(__name__)
@@ -101,12 +103,25 @@ def apply_to_table(message: StepMessage, table: torch.Tensor) -> None:
         at += n
 
 
+def mirror_memory_op(memory: StorageSaver, op: MemoryOp) -> None:
+    """A follower: free or restore its shard's memory as the driver just did."""
+    if op.kind == "release":
+        memory.release(list(op.tags))
+    elif op.kind == "resume":
+        memory.resume(list(op.tags))
+    elif op.kind == "replaced":
+        memory.replaced()
+    else:
+        raise ValueError(f"unknown memory op {op.kind!r}")
+
+
 def follow(runner, tp) -> None:
     """A follower rank's life: run every forward pass the driver sends, and mirror its
-    weight-update sessions (engine/tp/weights.py), until it stops (or the channel breaks:
-    the driver died)."""
+    weight-update sessions (engine/tp/weights.py) and memory releases, until it stops (or
+    the channel breaks: the driver died)."""
     table = runner.req_pool.table
     weights = FollowerWeights(runner.model)
+    memory = StorageSaver(runner)
     while True:
         message = tp.receive()
         if isinstance(message, Stop):
@@ -114,6 +129,9 @@ def follow(runner, tp) -> None:
             return
         if isinstance(message, WeightOp):
             weights.apply(message)
+            continue
+        if isinstance(message, MemoryOp):
+            mirror_memory_op(memory, message)
             continue
         apply_to_table(message, table)
         batch = message.batch()
