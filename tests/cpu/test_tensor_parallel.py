@@ -1,8 +1,8 @@
 """Tensor parallelism in-process: ``Engine(tp_size=N)`` starts N-1 follower processes (gloo
 over loopback) that hold their shard of the weights and KV heads and follow the driver's
 forward passes. Greedy tokens equal Hugging Face's (alone, batched, from the radix cache,
-chunked) at TP 2 on tiny Llama and Qwen3, at TP 4 with KV heads replicated, and at TP 3 on
-the default model (9 query and 3 KV heads); logprobs (output and prompt) stay within 1e-4
+chunked) at TP 2 on tiny Llama, Qwen3, Qwen3-MoE and Qwen2-MoE (a shared expert), at TP 4
+with KV heads replicated, and at TP 3 on the default model (9 query and 3 KV heads); logprobs (output and prompt) stay within 1e-4
 of TP 1; mixed chunks, n-gram speculation, grammars and retraction give TP 1's tokens; a
 size that does not divide the heads, and what TP does not do yet, are refused by name."""
 
@@ -27,7 +27,8 @@ def _hf(model_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, tp", [("llama", 2), ("qwen3", 2), ("llama", 4)])
+@pytest.mark.parametrize("kind, tp", [("llama", 2), ("qwen3", 2), ("llama", 4),
+                                      ("qwen3_moe", 2), ("qwen2_moe", 2)])
 def test_greedy_equals_hf_in_every_mode(kind, tp, request):
     model_dir = request.getfixturevalue(f"tiny_{kind}_dir")
     run_all_modes(model_dir, random_prompts(VOCAB), _hf(model_dir), f"{kind} tp{tp}",
@@ -107,8 +108,8 @@ def test_a_size_that_does_not_divide_the_heads_is_refused_by_name(tiny_llama_dir
 
 
 def test_what_tp_does_not_do_yet_is_refused_by_name(tiny_llama_dir, tiny_qwen3_moe_dir):
-    with pytest.raises(ValueError, match="mixture-of-experts models are not tensor-parallel"):
-        Engine(model=tiny_qwen3_moe_dir, dtype="float32", tp_size=2)
+    with pytest.raises(ValueError, match="enable_eplb=True: expert rebalancing"):
+        Engine(model=tiny_qwen3_moe_dir, dtype="float32", tp_size=2, enable_eplb=True)
     with pytest.raises(ValueError, match="enable_hierarchical_cache=True: the hierarchical"):
         Engine(model=tiny_llama_dir, dtype="float32", tp_size=2, enable_hierarchical_cache=True)
 

@@ -112,7 +112,7 @@ class ModelRunner:
                                       and self.dtype == torch.float32)
         model_class = model_class_for(hf)
         expert_options = model_expert_options(config, model_class)  # refuses before joining
-        check_tp_options(config, hf, model_class)  # refuses before joining
+        check_tp_options(config, hf)  # refuses before joining
         self.ep = ep = join_ep_group(config, ep_rank, ep_init_method)
         if ep is not None:
             expert_options["ep_rank"] = ep.rank

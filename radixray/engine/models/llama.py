@@ -83,7 +83,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.kernels.gated_mlp(x, self.gate_up_proj, self.down_proj))
+        return self.tp.all_reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output (the output itself with one rank)."""
+        return self.kernels.gated_mlp(x, self.gate_up_proj, self.down_proj)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -28,6 +28,7 @@ from radixray.engine.ep.expert_moves import MoveStats, move_expert_weights
 from radixray.engine.executor.forward_batch import ForwardBatch
 from radixray.engine.models.experts import ExpertDispatcher, Gate, LocalExperts, TopKRouter
 from radixray.engine.models.llama import LlamaForCausalLM, LlamaMLP
+from radixray.engine.tp.group import NO_TP, TensorParallel
 from radixray.kernels.cpu_ops import CpuKernels
 
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
@@ -99,8 +100,9 @@ class SparseMoeBlock(nn.Module):
     """
 
     def __init__(self, config, spec: MoeSpec, kernels: CpuKernels, experts: ExpertDispatcher,
-                 expert_map: ExpertMap, moe_layer: int):
+                 expert_map: ExpertMap, moe_layer: int, tp: TensorParallel = NO_TP):
         super().__init__()
+        self.tp = tp  # tensor parallelism: each expert's share on this rank, one all-reduce
         hidden = config.hidden_size
         self.gate = TopKRouter(spec.num_experts, hidden, spec.top_k, spec.renormalize,
                                spec.fp32_weights, kernels)
@@ -109,7 +111,7 @@ class SparseMoeBlock(nn.Module):
         self.moe_layer = moe_layer
         self.shared_expert = self.shared_expert_gate = None
         if spec.shared_intermediate_size:
-            self.shared_expert = LlamaMLP(config, kernels, spec.shared_intermediate_size)
+            self.shared_expert = LlamaMLP(config, kernels, spec.shared_intermediate_size, tp)
             self.shared_expert_gate = Gate(1, hidden, kernels)
         self.last_topk_ids: torch.Tensor | None = None  # [T, k] logical, read by the model
 
@@ -121,8 +123,8 @@ class SparseMoeBlock(nn.Module):
         self.last_topk_ids = ids
         out = self.experts.dispatch(x, self.to_physical(ids), weights)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial(x)
+        return self.tp.all_reduce(out)
 
 
 class MoeForCausalLM(LlamaForCausalLM):
@@ -138,7 +140,8 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config, dtype: torch.dtype = torch.float32, max_positions: int | None = None,
                  kernels: CpuKernels | None = None, *, num_redundant_experts: int = 0,
-                 ep_rank: int = 0, ep_size: int = 1, ep_dispatch_backend: str = "collectives"):
+                 ep_rank: int = 0, ep_size: int = 1, ep_dispatch_backend: str = "collectives",
+                 tp: TensorParallel = NO_TP):
         # Read before the layers are built: make_mlp needs them.
         self.moe = MoeSpec.from_config(config, max_positions or config.max_position_embeddings)
         if not self.moe.sparse_layers and (num_redundant_experts or ep_size > 1):
@@ -149,7 +152,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         if self.moe.sparse_layers:
             self.expert_map = ExpertMap.initial(len(self.moe.sparse_layers), self.moe.num_experts,
                                                 num_redundant_experts, ep_rank, ep_size)
-        super().__init__(config, dtype, max_positions, kernels)
+        super().__init__(config, dtype, max_positions, kernels, tp)
         self.moe_blocks: list[SparseMoeBlock] = [self.layers[i].mlp for i in self.moe.sparse_layers]
         self.register_buffer("expert_counts", torch.zeros(
             len(self.moe_blocks), self.moe.num_experts, dtype=torch.int64), persistent=False)
@@ -158,8 +161,8 @@ class MoeForCausalLM(LlamaForCausalLM):
         if layer_id in self.moe.sparse_layers:
             experts = self.make_dispatcher(config.hidden_size, kernels)
             return SparseMoeBlock(config, self.moe, kernels, experts, self.expert_map,
-                                  self.moe.sparse_layers.index(layer_id))
-        return LlamaMLP(config, kernels)
+                                  self.moe.sparse_layers.index(layer_id), self.tp)
+        return LlamaMLP(config, kernels, tp=self.tp)
 
     def make_dispatcher(self, hidden_size: int, kernels: CpuKernels) -> ExpertDispatcher:
         """The expert computation of one MoE layer, holding ``expert_map.local`` slots."""
@@ -169,7 +172,8 @@ class MoeForCausalLM(LlamaForCausalLM):
             return make_expert_dispatcher(self.ep_dispatch_backend, em.placement.num_physical,
                                           hidden_size, self.moe.intermediate_size, kernels,
                                           rank=em.ep_rank, world_size=em.ep_size)
-        return LocalExperts(len(em.local), hidden_size, self.moe.intermediate_size, kernels)
+        return LocalExperts(len(em.local), hidden_size, self.moe.intermediate_size // self.tp.size,
+                            kernels)
 
     @torch.inference_mode()
     def forward_idle(self) -> None:

@@ -3,7 +3,7 @@
 A refused combination raises ValueError naming both options before any rank joins a group.
 What is refused today is what the followers cannot mirror yet (they run forward passes
 only, weight-update sessions and memory releases): state the driver changes outside a
-forward pass (a KV transfer, the host tier) and the expert-parallel models.
+forward pass (a KV transfer, the host tier) and expert placement (expert parallelism, EPLB).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from radixray.engine.tp.sharding import TPShard, check_tp_size
 # option -> (the value TP works with today, why not otherwise)
 _NOT_YET = {
     "ep_size": (1, "expert parallelism inside a tensor-parallel group"),
+    "enable_eplb": (False, "expert rebalancing (the followers would keep the old placement)"),
+    "ep_num_redundant_experts": (0, "redundant expert slots"),
     "disaggregation_mode": (None, "prefill-decode disaggregation (KV transfer into every rank)"),
     "enable_hierarchical_cache": (False, "the hierarchical cache (host-tier copies on every "
                                          "rank)"),
@@ -20,16 +22,12 @@ _NOT_YET = {
 }
 
 
-def check_tp_options(config, hf_config, model_class) -> None:
+def check_tp_options(config, hf_config) -> None:
     """ValueError when ``config.tp_size`` does not suit the model (head counts) or an option
     it does not work with yet."""
     if config.tp_size == 1:
         return
     check_tp_size(hf_config, config.tp_size)
-    from radixray.engine.models.moe import MoeForCausalLM
-    if issubclass(model_class, MoeForCausalLM):
-        raise ValueError(f"tp_size={config.tp_size}: mixture-of-experts models are not "
-                         f"tensor-parallel yet; use ep_size for them")
     for name, (wanted, what) in _NOT_YET.items():
         if getattr(config, name) != wanted:
             raise ValueError(f"tp_size={config.tp_size} with {name}={getattr(config, name)!r}: "

@@ -9,7 +9,9 @@ Megatron-style split over ``size`` ranks, as SGLang does it:
   ``size // kv_heads`` times). ``o_proj`` is row-parallel: each rank multiplies its heads'
   columns and the partial outputs are summed (an all-reduce);
 - the MLP: ``gate_proj`` and ``up_proj`` column-parallel (rows of the intermediate size),
-  ``down_proj`` row-parallel, then an all-reduce;
+  ``down_proj`` row-parallel, then an all-reduce; in a mixture-of-experts block every
+  expert (and the shared expert) is split so, the router is whole on every rank, and one
+  all-reduce sums the block's output;
 - the embedding and ``lm_head``: vocab-parallel, ``ceil(vocab / size)`` rows each (the last
   rank's padded with zero rows); embeddings are summed across ranks (a token's row is on
   one of them), logits gathered before sampling;
@@ -52,10 +54,11 @@ def check_tp_size(hf_config, size: int) -> None:
     if kv % size and size % kv:
         raise ValueError(f"tp_size {size} neither divides the model's {kv} KV heads nor is a "
                          f"multiple of them (query heads: {q})")
-    inter = getattr(hf_config, "intermediate_size", None)
-    if inter and inter % size:
-        raise ValueError(f"tp_size {size} does not divide the model's intermediate_size "
-                         f"{inter}")
+    for field in ("intermediate_size", "moe_intermediate_size",
+                  "shared_expert_intermediate_size"):
+        inter = getattr(hf_config, field, None)
+        if inter and inter % size:
+            raise ValueError(f"tp_size {size} does not divide the model's {field} {inter}")
 
 
 @dataclass(frozen=True)
@@ -122,14 +125,23 @@ class TPShard:
         """Whether checkpoint tensor ``name`` differs per rank."""
         return self.size > 1 and _split_of(name) is not None
 
-    def local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def local(self, name: str, tensor: torch.Tensor,
+              local_shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """This rank's part of checkpoint tensor ``name`` (the whole tensor when it is not
-        split)."""
+        split). ``local_shape``: the shape the model holds of it; an MLP projection's share
+        is read from it (a dense MLP, a routed expert and a shared expert differ in size)."""
         split = _split_of(name) if self.size > 1 else None
         if split is None:
             return tensor
         (how, family), kind = split
-        start, count = self.rows(family)
+        if family == "inter" and local_shape is not None and kind == "weight":
+            count = local_shape[1] if how == "row" else local_shape[0]
+            start = self.rank * count
+        elif family == "inter" and local_shape is not None:  # a column-parallel bias
+            count = local_shape[0]
+            start = self.rank * count
+        else:
+            start, count = self.rows(family)
         if how == "row":
             if kind == "bias":  # added once, after the all-reduce
                 return tensor if self.rank == 0 else torch.zeros_like(tensor)

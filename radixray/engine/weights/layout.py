@@ -159,7 +159,11 @@ class WeightLayout:
     def local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of checkpoint tensor ``name`` (engine/tp/sharding.py); the tensor
         itself without tensor parallelism or for a tensor every rank holds whole."""
-        return self.tp_shard.local(self.canonical(name), tensor) if self.splits(name) else tensor
+        if not self.splits(name):
+            return tensor
+        shard = self.locate(name)
+        return self.tp_shard.local(self.canonical(name), tensor,
+                                   None if shard is None else shard.shape)
 
     def _add_target(self, name: str, kind: str, owner: nn.Module, attr: str, like: torch.Tensor,
                     fused: dict) -> None:
