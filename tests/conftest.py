@@ -8,6 +8,18 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray's dashboard probes cloud metadata (HTTP to 169.254.169.254, DNS for
+# metadata.google.internal) and may report usage to usage-stats.ray.io: traced in
+# docs/multinode.md. Every HTTP(S) proxy points at a loopback port nothing listens on (the
+# discard port), so those attempts are refused on this machine; loopback addresses are
+# never proxied, and gRPC uses no proxy at all.
+_NOWHERE = "http://127.0.0.1:9"
+for _name, _value in (("RAY_USAGE_STATS_ENABLED", "0"), ("RAY_USAGE_STATS_REPORT_URL", _NOWHERE),
+                      ("http_proxy", _NOWHERE), ("https_proxy", _NOWHERE),
+                      ("HTTP_PROXY", _NOWHERE), ("HTTPS_PROXY", _NOWHERE), ("grpc_proxy", ""),
+                      ("no_proxy", "localhost,127.0.0.1,127.0.0.2,::1"),
+                      ("NO_PROXY", "localhost,127.0.0.1,127.0.0.2,::1")):
+    os.environ[_name] = _value
 
 
 def _tiny_model_dir(kind: str):
