@@ -266,6 +266,7 @@ class Controller(FleetOperations):
             return
         rec.kv_session, rec.kv_layout = info.kv_session, info.kv_layout
         rec.generation, rec.started_at, rec.pid = info.generation, info.started_at, info.pid
+        rec.node_ip = info.node_ip
         rec.weight_version = info.weight_version
         behind = None
         if info.weight_version != self.weights.version:

@@ -81,6 +81,10 @@ class EngineWorker:
             # each (a tensor-parallel worker's followers are processes beside it).
             ranks = max(1, cores_shared_by) * options.get("tp_size", 1)
             options["num_threads"] = max(1, len(os.sched_getaffinity(0)) // ranks)
+        if options.get("disaggregation_mode") and not options.get("disaggregation_transfer_host"):
+            # the KV transfer endpoint is on this worker's node, whichever node that is
+            import ray
+            options["disaggregation_transfer_host"] = ray.util.get_node_ip_address()
         self.worker_id = worker_id
         self.generation = generation
         self.engine = Engine(worker_id=worker_id, **options)
@@ -224,7 +228,7 @@ class EngineWorker:
         return WorkerInfo(self.worker_id, self.engine.config.model, limits.context_len,
                           limits.vocab_size, limits.max_total_tokens, self.draining, self.role,
                           session, layout, self.generation, self.started_at,
-                          self.engine.get_weight_version(), os.getpid())
+                          self.engine.get_weight_version(), os.getpid(), _node_ip())
 
     # ---- prefill-decode disaggregation (engine/disaggregation/, actors/pd_outbox.py) -----
     async def pd_deliver(self, message) -> None:
@@ -412,3 +416,9 @@ def worker_actor_class():
     """The Ray actor class (created lazily so importing this module needs no Ray)."""
     import ray
     return ray.remote(EngineWorker)
+
+
+def _node_ip() -> str | None:
+    """The address of the Ray node this process runs on (None outside Ray)."""
+    import ray
+    return ray.util.get_node_ip_address() if ray.is_initialized() else None

@@ -52,6 +52,7 @@ class WorkerInfo:
     started_at: float = 0.0  # wall clock when the actor was created
     weight_version: int | str = 0  # an int or a string label (engine/weights/version.py)
     pid: int = 0  # the actor's process
+    node_ip: str | None = None  # the address of the Ray node it runs on
 
 
 @dataclass(slots=True)

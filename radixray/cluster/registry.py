@@ -43,6 +43,7 @@ class WorkerRecord:
     kv_session: str | None = None  # prefill/decode: its KV transfer endpoint (host:port)
     kv_layout: object | None = None  # prefill/decode: its KV pool layout (KVLayout)
     pid: int | None = None  # the actor's process id (on its node)
+    node_ip: str | None = None  # the address of the Ray node it runs on
 
     def set_state(self, state: str) -> None:
         if state not in STATES:
@@ -57,7 +58,8 @@ class WorkerRecord:
                 "weight_version": self.weight_version, "started_at": self.started_at,
                 "ready_at": self.ready_at, "last_ping_at": self.last_ping_at,
                 "healthy": self.healthy, "load": self.load.as_json() if self.load else {},
-                "error": self.error, "kv_session": self.kv_session, "pid": self.pid}
+                "error": self.error, "kv_session": self.kv_session, "pid": self.pid,
+                "node_ip": self.node_ip}
 
 
 class Registry:

@@ -110,8 +110,9 @@ class EngineConfig:
     disaggregation_transfer_protocol: str = option(
         "tcp", "Mooncake transport between prefill and decode workers (rdma on clusters "
         "with RDMA NICs)", choices=("tcp", "rdma"))
-    disaggregation_transfer_host: str = option(
-        "127.0.0.1", "address this engine's transfer engine listens on")
+    disaggregation_transfer_host: str | None = option(
+        None, "address this engine's transfer engine listens on (None: the address of the "
+        "Ray node a serving worker runs on, 127.0.0.1 in-process)")
     check_kv_conservation: bool = option(False, "assert the KV slot invariant after every "
                                          "step (tests)")
     kv_audit_interval_steps: int = option(

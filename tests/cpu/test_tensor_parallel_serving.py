@@ -77,6 +77,7 @@ def test_a_killed_follower_restarts_the_worker_as_a_unit(server, client):
             time.sleep(0.5)
     rec = _record(server)
     assert rec["generation"] == before["generation"] + 1 and rec["state"] == "ready"
+    assert rec["node_ip"] == before["node_ip"] == "127.0.0.1"  # the Ray node it runs on
     assert len(_followers(rec["pid"])) == 1
     assert len(texts) == len(PROMPTS)
     kv = httpx.get(f"{server}/debug/kv_conservation", timeout=60).json()["worker-0"]

@@ -43,8 +43,9 @@ class PDLink:
     def __init__(self, mode: str, worker_id: str, scheduler, kv_pool, config, transport=None):
         from radixray.engine.disaggregation.mooncake import MooncakeTransport
         self.mode, self.worker_id, self.scheduler = mode, worker_id, scheduler
-        self.transport = transport or MooncakeTransport(config.disaggregation_transfer_host,
-                                                        config.disaggregation_transfer_protocol)
+        self.transport = transport or MooncakeTransport(
+            config.disaggregation_transfer_host or "127.0.0.1",
+            config.disaggregation_transfer_protocol)
         for buf in kv_pool.k_buffers + kv_pool.v_buffers:
             self.transport.register(buf.data_ptr(), buf.numel() * buf.element_size())
         self.layout: KVLayout = pool_layout(kv_pool.k_buffers, kv_pool.v_buffers)
