@@ -1,0 +1,88 @@
+"""The serving fleet across two Ray nodes (tests/two_node.py: 127.0.0.1 and 127.0.0.2):
+two workers placed one per node by a STRICT_SPREAD placement group, each reporting its own
+node's address in /fleet, and the router spreading requests over both; then a
+prefill-decode pair split over the two nodes, whose KV crosses between the nodes'
+transfer engines (each listening on its own node's address), giving the tokens of one
+unified engine."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from serving_helpers import free_port, metric, serve_app, tiny_config
+from two_node import HEAD_IP, NODE2_IP, two_node_cluster
+
+from radixray import Engine
+
+pytestmark = pytest.mark.slow
+PROMPTS = [f"request {i} about the two nodes" for i in range(8)]
+
+
+@pytest.fixture
+def cluster():
+    """A fresh cluster per test: a fleet's actors are detached and would outlive Serve."""
+    with two_node_cluster(num_cpus=2) as c:
+        yield c
+
+
+def _greedy(base: str, prompt: str) -> str:
+    r = httpx.post(f"{base}/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+        "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def _serve(config: dict) -> str:
+    config["fleet"]["placement_strategy"] = "STRICT_SPREAD"
+    return serve_app(config)
+
+
+def _shutdown() -> None:
+    from ray import serve
+    serve.shutdown()
+
+
+def _workers(base: str) -> list[dict]:
+    return httpx.get(f"{base}/fleet", timeout=60).json()["workers"]
+
+
+def test_workers_on_both_nodes_and_the_router_uses_both(cluster, tiny_llama_dir):
+    cfg = tiny_config(tiny_llama_dir, free_port())
+    cfg["fleet"] = {"workers": 2}
+    cfg["router"] = {"policy": "round_robin"}
+    base = _serve(cfg)
+    try:
+        workers = _workers(base)
+        assert sorted(w["node_ip"] for w in workers) == [HEAD_IP, NODE2_IP]
+        texts = [_greedy(base, p) for p in PROMPTS]
+        page = httpx.get(f"{base}/metrics", timeout=60).text
+        served = {w["worker_id"]: metric(page, "radixray:requests_total", worker=w["worker_id"])
+                  for w in workers}
+        assert all(n >= 2 for n in served.values()), served
+        with Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=4096) as eng:
+            want = [eng.generate(p, {"temperature": 0, "max_new_tokens": 8,
+                                     "ignore_eos": True})["text"] for p in PROMPTS]
+        assert texts == want
+    finally:
+        _shutdown()
+
+
+def test_prefill_and_decode_on_two_nodes_give_unified_tokens(cluster, tiny_llama_dir):
+    cfg = tiny_config(tiny_llama_dir, free_port())
+    cfg["fleet"] = {"prefill_workers": 1, "decode_workers": 1}
+    base = _serve(cfg)
+    try:
+        workers = _workers(base)
+        by_role = {w["role"]: w for w in workers}
+        assert {by_role["prefill"]["node_ip"], by_role["decode"]["node_ip"]} == {HEAD_IP,
+                                                                                NODE2_IP}
+        for w in workers:  # each transfer engine listens on its own node's address
+            assert w["kv_session"].startswith(w["node_ip"] + ":"), w
+        texts = [_greedy(base, p) for p in PROMPTS[:4]]
+        with Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=4096) as eng:
+            want = [eng.generate(p, {"temperature": 0, "max_new_tokens": 8,
+                                     "ignore_eos": True})["text"] for p in PROMPTS[:4]]
+        assert texts == want
+    finally:
+        _shutdown()
