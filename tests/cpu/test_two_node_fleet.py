@@ -3,7 +3,8 @@ two workers placed one per node by a STRICT_SPREAD placement group, each reporti
 node's address in /fleet, and the router spreading requests over both; then a
 prefill-decode pair split over the two nodes, whose KV crosses between the nodes'
 transfer engines (each listening on its own node's address), giving the tokens of one
-unified engine."""
+unified engine; an expert-parallel group with one rank per node. Each test gets a cluster
+of its own."""
 
 from __future__ import annotations
 
@@ -84,5 +85,25 @@ def test_prefill_and_decode_on_two_nodes_give_unified_tokens(cluster, tiny_llama
             want = [eng.generate(p, {"temperature": 0, "max_new_tokens": 8,
                                      "ignore_eos": True})["text"] for p in PROMPTS[:4]]
         assert texts == want
+    finally:
+        _shutdown()
+
+
+def test_an_expert_parallel_group_spans_both_nodes(cluster, tiny_qwen3_moe_dir):
+    """ep_size 2, STRICT_SPREAD: one rank per node, joined by gloo over the nodes'
+    addresses (the rendezvous is on the first rank's node); each rank's greedy output
+    equals one engine's (HF-equal on its own: test_ep_engine.py)."""
+    cfg = tiny_config(tiny_qwen3_moe_dir, free_port())
+    cfg["engine"]["ep_size"] = 2
+    cfg["fleet"] = {"workers": 1}
+    base = _serve(cfg)
+    try:
+        workers = _workers(base)
+        assert sorted(w["node_ip"] for w in workers) == [HEAD_IP, NODE2_IP]
+        assert all(w["state"] == "ready" for w in workers)
+        with Engine(model=tiny_qwen3_moe_dir, dtype="float32", max_total_tokens=4096) as eng:
+            want = [eng.generate(p, {"temperature": 0, "max_new_tokens": 8,
+                                     "ignore_eos": True})["text"] for p in PROMPTS[:4]]
+        assert [_greedy(base, p) for p in PROMPTS[:4]] == want
     finally:
         _shutdown()
