@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import time
 import uuid
 
@@ -110,10 +109,8 @@ class Job:
 
     def _open_broadcast(self) -> None:
         import ray
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        address = "127.0.0.1" if not os.environ.get("RAY_ADDRESS") else ray.util.get_node_ip_address()
+        # rank 0 (the trainer) listens on its own node, wherever the workers are
+        address, port = ray.get(self.trainer.broadcast_address.remote())
         joined = self.controller.init_weights_update_group.remote(address, port, self.workers + 1)
         ray.get([self.trainer.open_broadcast.remote(address, port, self.workers + 1), joined])
         self.spec = ray.get(self.trainer.weight_spec.remote())

@@ -201,6 +201,16 @@ class PolicyTrainer:
         from radixray.engine.weights.sync import WeightBroadcaster
         return WeightBroadcaster.spec(self.named_weights().items())
 
+    def broadcast_address(self) -> tuple[str, int]:
+        """(this trainer's Ray node address, a port free there): where the weight-update
+        group's rank 0, this trainer, listens; the workers may be on other nodes."""
+        import ray
+
+        from radixray.engine.ep.group import free_tcp_address
+        host, port = free_tcp_address(ray.util.get_node_ip_address()).removeprefix(
+            "tcp://").rsplit(":", 1)
+        return host, int(port)
+
     def open_broadcast(self, master_address: str, master_port: int, world_size: int,
                        group_name: str = "weight_update_group", backend: str = "gloo") -> None:
         """Join the weight-update group as rank 0 (blocks until every worker joined)."""

@@ -107,3 +107,38 @@ def test_an_expert_parallel_group_spans_both_nodes(cluster, tiny_qwen3_moe_dir):
         assert [_greedy(base, p) for p in PROMPTS[:4]] == want
     finally:
         _shutdown()
+
+
+def test_a_grpo_trainer_on_the_other_node_syncs_over_the_node_addresses(cluster,
+                                                                        tiny_llama_dir,
+                                                                        tmp_path):
+    """placement: separate, STRICT_SPREAD: the trainer's bundle and the worker's land on two
+    nodes; the weight-update group's rank 0 (the trainer) listens on its own node's address
+    and each step's broadcast reaches the worker on the other node."""
+    import json
+
+    import ray
+
+    from radixray.rl.config import GRPOConfig
+    from radixray.rl.grpo import run
+    from radixray.rl.job import Job
+    cfg = GRPOConfig.parse({
+        "model": tiny_llama_dir, "task": "char_frequency", "steps": 2, "prompts_per_step": 2,
+        "group_size": 4, "max_new_tokens": 8, "micro_batch_size": 8, "held_out_prompts": 2,
+        "seed": 3, "placement": "separate",
+        "fleet": {"engine": {"dtype": "float32", "max_total_tokens": 4096},
+                  "fleet": {"workers": 1, "placement_strategy": "STRICT_SPREAD"}}})
+    job = Job(cfg)
+    try:
+        groups = [g for g in ray.util.placement_group_table().values()
+                  if g["state"] == "CREATED" and g["name"].startswith("grpo-")]
+        assert len(groups) == 1 and len(set(groups[0]["bundles_to_node_id"].values())) == 2
+        trainer_node = groups[0]["bundles_to_node_id"][0]
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        assert ray.get(job.trainer.broadcast_address.remote())[0] == ips[trainer_node]
+    except BaseException:
+        job.close()
+        raise
+    run(cfg, str(tmp_path), job=job)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["synced_version"] for r in rows] == [1, 2]
