@@ -3,8 +3,9 @@ two workers placed one per node by a STRICT_SPREAD placement group, each reporti
 node's address in /fleet, and the router spreading requests over both; then a
 prefill-decode pair split over the two nodes, whose KV crosses between the nodes'
 transfer engines (each listening on its own node's address), giving the tokens of one
-unified engine; an expert-parallel group with one rank per node. Each test gets a cluster
-of its own."""
+unified engine; an expert-parallel group with one rank per node; a GRPO trainer on the
+other node from its worker; and node 2 lost under load (every request ends, the worker
+moves to the head). Each test gets a cluster of its own."""
 
 from __future__ import annotations
 
@@ -142,3 +143,46 @@ def test_a_grpo_trainer_on_the_other_node_syncs_over_the_node_addresses(cluster,
     run(cfg, str(tmp_path), job=job)
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["synced_version"] for r in rows] == [1, 2]
+
+
+def test_losing_node2_under_load_ends_every_request_and_the_worker_moves(cluster,
+                                                                         tiny_llama_dir):
+    """Two workers (SPREAD: one per node), requests streaming; node 2's processes are
+    killed. Every request ends, with its tokens or a clear error (none hangs); the
+    controller restarts the lost worker where capacity remains (the head) and the fleet
+    serves from both workers again."""
+    import concurrent.futures
+    import time
+
+    cfg = tiny_config(tiny_llama_dir, free_port())
+    cfg["fleet"] = {"workers": 2, "health_check_interval_s": 0.5, "max_restarts": 2}
+    cfg["router"] = {"policy": "round_robin", "retry_backoff_s": 0.05}
+    cfg["fleet"]["placement_strategy"] = "SPREAD"
+    base = serve_app(cfg)
+    try:
+        assert sorted(w["node_ip"] for w in _workers(base)) == [HEAD_IP, NODE2_IP]
+
+        def ask(i: int) -> int:
+            r = httpx.post(f"{base}/v1/completions", timeout=120, json={
+                "model": "tiny", "prompt": f"load {i}", "max_tokens": 48, "ignore_eos": True})
+            assert r.status_code == 200 or r.json()["error"]["message"], r.text
+            return r.status_code
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(ask, i) for i in range(24)]
+            time.sleep(1.0)
+            cluster.kill_node2()
+            codes = [f.result(timeout=180) for f in futures]  # none hangs
+        assert set(codes) <= {200, 500, 503} and codes.count(200) >= 1, codes
+        deadline = time.monotonic() + 180
+        while True:
+            workers = _workers(base)
+            if all(w["state"] == "ready" for w in workers) and len(workers) == 2:
+                break
+            assert time.monotonic() < deadline, workers
+            time.sleep(1.0)
+        assert [w["node_ip"] for w in workers] == [HEAD_IP, HEAD_IP]
+        assert sum(w["restarts"] for w in workers) == 1
+        assert [_greedy(base, p) for p in PROMPTS[:2]]
+    finally:
+        _shutdown()
