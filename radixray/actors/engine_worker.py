@@ -27,7 +27,7 @@ from radixray.actors.niceness import set_niceness
 from radixray.cluster.errors import WorkerDraining, WorkerQueueFull, WorkerUnavailable
 from radixray.cluster.messages import ChannelState, SubmitRequest, WorkerInfo, WorkerLoad
 from radixray.cluster.metrics import WorkerMetrics, worker_load
-from radixray.cluster.shared_weights import SharedWeightsHandle, read_shared
+from radixray.cluster.shared_weights import SharedWeightsHandle, on_this_node, read_shared
 from radixray.cluster.tensor_payload import from_payload, is_payload
 from radixray.engine.control import EngineSnapshot
 from radixray.engine.engine import Engine
@@ -86,6 +86,7 @@ class EngineWorker:
             import ray
             options["disaggregation_transfer_host"] = ray.util.get_node_ip_address()
         self.worker_id = worker_id
+        self._warned_remote_shared = False  # logged once: weights via the object store
         self.generation = generation
         self.engine = Engine(worker_id=worker_id, **options)
         self.role = options.get("disaggregation_mode") or "unified"
@@ -341,11 +342,21 @@ class EngineWorker:
     async def begin_weight_update(self) -> None:
         self.engine.begin_weight_update()
 
-    async def update_weights_from_tensor(self, named_tensors) -> dict:
+    async def update_weights_from_tensor(self, named_tensors, elsewhere=None) -> dict:
         """``named_tensors``: ``(name, tensor)`` pairs, a :class:`~radixray.cluster.
         shared_weights.SharedWeightsHandle` (a colocated trainer's shared-memory file, read in
         place), or a :func:`~radixray.cluster.tensor_payload.to_payload` list (passed as a
-        top-level ObjectRef, Ray maps it from the object store)."""
+        top-level ObjectRef, Ray maps it from the object store). ``elsewhere``: ``[ObjectRef
+        of the payload]`` for a worker that is not on the shared file's node."""
+        if isinstance(named_tensors, SharedWeightsHandle) and not on_this_node(named_tensors):
+            if elsewhere is None:
+                raise ValueError(f"the shared weights file is on node {named_tensors.node_ip}, "
+                                 "not this worker's, and no payload came with it")
+            if not self._warned_remote_shared:
+                self._warned_remote_shared = True
+                logger.info("the trainer's shared weights file is on another node (%s): "
+                            "taking the weights from the object store", named_tensors.node_ip)
+            named_tensors = await elsewhere[0]
         if isinstance(named_tensors, SharedWeightsHandle):
             named_tensors = read_shared(named_tensors)
         elif is_payload(named_tensors):

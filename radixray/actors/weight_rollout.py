@@ -62,9 +62,13 @@ def stage(source: WeightSource, handle):
     match source:
         case DiskWeights(path=path):
             return handle.update_weights_from_disk.remote(path)
+        case TensorWeights(shared=None, payload=payload):
+            return handle.update_weights_from_tensor.remote(payload)
         case TensorWeights(shared=shared, payload=payload):
-            return handle.update_weights_from_tensor.remote(shared if shared is not None
-                                                            else payload)
+            # the payload in a list: Ray resolves it only for a worker that asks (off the
+            # shared file's node)
+            return handle.update_weights_from_tensor.remote(
+                shared, None if payload is None else [payload])
         case DistributedWeights(names=names, dtypes=dtypes, shapes=shapes, group_name=group):
             return handle.update_weights_from_distributed.remote(names, dtypes, shapes, group)
 

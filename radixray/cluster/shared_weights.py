@@ -31,11 +31,14 @@ _MAPS: dict[str, tuple[int, mmap.mmap, torch.Tensor]] = {}  # path -> (inode, ma
 
 @dataclass(frozen=True)
 class SharedWeightsHandle:
-    """Where each tensor lies in the file: ``(name, dtype name, shape, byte offset)``."""
+    """Where each tensor lies in the file: ``(name, dtype name, shape, byte offset)``;
+    ``node_ip``: the Ray node the file is on (None outside Ray): only a reader on that node
+    can map it."""
 
     path: str
     entries: tuple[tuple[str, str, tuple[int, ...], int], ...]
     nbytes: int
+    node_ip: str | None = None
 
 
 class SharedWeightsWriter:
@@ -60,7 +63,7 @@ class SharedWeightsWriter:
         finally:
             os.close(fd)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.handle = SharedWeightsHandle(self.path, tuple(entries), offset)
+        self.handle = SharedWeightsHandle(self.path, tuple(entries), offset, _node_ip())
         self._index = {e[0]: e for e in entries}
 
     def write(self, named: Iterable[tuple[str, torch.Tensor]] | dict) -> SharedWeightsHandle:
@@ -78,6 +81,16 @@ class SharedWeightsWriter:
         """Remove the file (workers' mappings stay valid until they drop them)."""
         if os.path.exists(self.path):
             os.unlink(self.path)
+
+
+def _node_ip() -> str | None:
+    import ray
+    return ray.util.get_node_ip_address() if ray.is_initialized() else None
+
+
+def on_this_node(handle: SharedWeightsHandle) -> bool:
+    """Whether this process can map ``handle``'s file (it is on the writer's node)."""
+    return handle.node_ip is None or handle.node_ip == _node_ip()
 
 
 def _view(data: torch.Tensor, entry) -> torch.Tensor:

@@ -31,19 +31,21 @@ class DiskWeights:
 
 @dataclass(frozen=True)
 class TensorWeights:
-    """Tensors from the caller's process, one of two ways: ``shared``, the handle of a
-    colocated trainer's shared-memory file (:class:`SharedWeightsWriter`, the fast path),
-    or ``payload``, the ObjectRef of a :func:`~radixray.cluster.tensor_payload.to_payload`
-    list, which each worker maps from the object store. (Held inside this object, the ref
-    passes through the controller unresolved.)"""
+    """Tensors from the caller's process: ``shared``, the handle of a colocated trainer's
+    shared-memory file (:class:`SharedWeightsWriter`, the fast path, readable on the
+    trainer's node only), and/or ``payload``, the ObjectRef of a
+    :func:`~radixray.cluster.tensor_payload.to_payload` list, which a worker maps from the
+    object store. With both, a worker on the file's node reads the file and any other
+    fetches the payload. (Held inside this object, the ref passes through the controller
+    unresolved.)"""
 
     shared: SharedWeightsHandle | None = None
     payload: object = None
 
     def __post_init__(self) -> None:
-        if (self.shared is None) == (self.payload is None):
-            raise ValueError("a tensor update needs one of shared=SharedWeightsWriter(...)"
-                             ".write(named) or payload=ray.put(to_payload(named))")
+        if self.shared is None and self.payload is None:
+            raise ValueError("a tensor update needs shared=SharedWeightsWriter(...)"
+                             ".write(named) or payload=ray.put(to_payload(named)), or both")
 
 
 @dataclass(frozen=True)

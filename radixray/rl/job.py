@@ -8,7 +8,8 @@ training:
 
 - ``colocated``: before the trainer trains, every worker pauses and releases its
   ``kv_cache`` and ``weights``; afterwards they come back and the new weights arrive
-  through ``update_weights_from_tensor`` from the trainer's shared-memory file.
+  through ``update_weights_from_tensor`` from the trainer's shared-memory file (workers
+  on another node than the trainer's: from the object store, logged once).
 - ``separate``: the workers keep serving while the trainer trains; the new weights arrive
   by broadcast from the trainer (rank 0) over torch.distributed (gloo on CPU).
 
@@ -104,6 +105,7 @@ class Job:
         self.trainer = trainer_actor_class().options(**self.placement.trainer()).remote(
             source.path, options, device, cfg.seed, threads, cfg.deterministic)
         self.workers = len(ray.get(self.controller.live_workers.remote()))
+        self._told_off_node = False  # logged once: workers off the trainer's node
         if cfg.placement == "separate":
             self._open_broadcast()
 
@@ -161,12 +163,28 @@ class Job:
                "resume_memory_occupation")
         t1 = time.perf_counter()
         handle = ray.get(self.trainer.write_shared.remote())
+        payload = None
+        if self._workers_off_node(handle.node_ip):  # they cannot map the trainer's file
+            payload = ray.get(self.trainer.put_payload.remote())
         t2 = time.perf_counter()
-        result = ray.get(self.controller.update_weights.remote(TensorWeights(shared=handle), None,
-                                                               cfg.pause_mode))
+        result = ray.get(self.controller.update_weights.remote(
+            TensorWeights(shared=handle, payload=payload), None, cfg.pause_mode))
         result["phases"] = {"resume_memory": t1 - t0, "trainer_write": t2 - t1,
                             **result["phases"]}
         return result
+
+    def _workers_off_node(self, node_ip: str | None) -> list[str]:
+        """The live workers on another node than ``node_ip`` (logged the first time)."""
+        import ray
+        state = ray.get(self.controller.fleet_state.remote())
+        off = [w["worker_id"] for w in state["workers"]
+               if w["state"] in ("ready", "draining") and node_ip and w["node_ip"] != node_ip]
+        if off and not self._told_off_node:
+            self._told_off_node = True
+            logger.info("workers %s are not on the trainer's node (%s): they take the weights "
+                        "through the object store instead of its shared-memory file", off,
+                        node_ip)
+        return off
 
     def _sync_separate(self) -> dict:
         import ray

@@ -197,6 +197,14 @@ class PolicyTrainer:
             self._shared = SharedWeightsWriter(self.named_weights(), directory)
         return self._shared.write(self._items("write_shared"))
 
+    def put_payload(self):
+        """The weights in the object store (an ObjectRef of a ``to_payload`` list): how
+        workers on other nodes than the shared-memory file's get them."""
+        import ray
+
+        from radixray.cluster.tensor_payload import to_payload
+        return ray.put(to_payload(self._items("put_payload")))
+
     def weight_spec(self) -> tuple[list[str], list[str], list[list[int]]]:
         from radixray.engine.weights.sync import WeightBroadcaster
         return WeightBroadcaster.spec(self.named_weights().items())

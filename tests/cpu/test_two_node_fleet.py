@@ -186,3 +186,35 @@ def test_losing_node2_under_load_ends_every_request_and_the_worker_moves(cluster
         assert [_greedy(base, p) for p in PROMPTS[:2]]
     finally:
         _shutdown()
+
+
+def test_colocated_grpo_reaches_a_worker_off_the_trainers_node(cluster, tiny_llama_dir,
+                                                               tmp_path):
+    """Colocated, two workers SPREAD over the nodes: the trainer's shared-memory file is
+    read on its node, the other node's worker takes the same weights from the object store;
+    both serve exactly the trainer's logprobs (deterministic) at every step."""
+    import json
+
+    import ray
+
+    from radixray.rl.config import GRPOConfig
+    from radixray.rl.grpo import run
+    from radixray.rl.job import Job
+    cfg = GRPOConfig.parse({
+        "model": tiny_llama_dir, "task": "char_frequency", "steps": 2, "prompts_per_step": 4,
+        "group_size": 4, "max_new_tokens": 8, "micro_batch_size": 16, "held_out_prompts": 2,
+        "seed": 3, "deterministic": True,
+        "fleet": {"engine": {"dtype": "float32", "max_total_tokens": 4096},
+                  "fleet": {"workers": 2, "placement_strategy": "SPREAD"}}})
+    job = Job(cfg)
+    try:
+        state = ray.get(job.controller.fleet_state.remote())
+        assert sorted(w["node_ip"] for w in state["workers"]) == [HEAD_IP, NODE2_IP]
+    except BaseException:
+        job.close()
+        raise
+    run(cfg, str(tmp_path), job=job)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["synced_version"] for r in rows] == [1, 2]
+    assert all(r["logprob_abs_diff_max"] == 0.0 for r in rows), rows
+    assert job._told_off_node  # one worker was off the trainer's node: the fallback ran
