@@ -81,10 +81,12 @@ class EngineWorker:
             # each (a tensor-parallel worker's followers are processes beside it).
             ranks = max(1, cores_shared_by) * options.get("tp_size", 1)
             options["num_threads"] = max(1, len(os.sched_getaffinity(0)) // ranks)
+        # Endpoints peers reach (the KV transfer engine, the HiCache store's segment) are on
+        # this worker's node, whichever node that is, unless configured.
         if options.get("disaggregation_mode") and not options.get("disaggregation_transfer_host"):
-            # the KV transfer endpoint is on this worker's node, whichever node that is
-            import ray
-            options["disaggregation_transfer_host"] = ray.util.get_node_ip_address()
+            options["disaggregation_transfer_host"] = _node_ip()
+        if options.get("hicache_storage_backend") == "mooncake":
+            os.environ.setdefault("MOONCAKE_LOCAL_HOSTNAME", _node_ip())
         self.worker_id = worker_id
         self._warned_remote_shared = False  # logged once: weights via the object store
         self.generation = generation

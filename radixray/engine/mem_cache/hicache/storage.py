@@ -81,7 +81,8 @@ class MooncakeStorage(StorageBackend):
     """Mooncake's distributed store (``mooncake.store``). Needs a running ``mooncake_master``
     and metadata service; their addresses come from the environment, as Mooncake's own
     clients read them: MOONCAKE_MASTER, MOONCAKE_TE_META_DATA_SERVER, MOONCAKE_PROTOCOL,
-    MOONCAKE_LOCAL_HOSTNAME, MOONCAKE_GLOBAL_SEGMENT_SIZE (bytes)."""
+    MOONCAKE_LOCAL_HOSTNAME (a serving worker sets it to its Ray node's address unless it is
+    set), MOONCAKE_GLOBAL_SEGMENT_SIZE (bytes)."""
 
     def __init__(self):
         from mooncake.store import MooncakeDistributedStore
