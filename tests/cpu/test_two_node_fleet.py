@@ -110,39 +110,48 @@ def test_an_expert_parallel_group_spans_both_nodes(cluster, tiny_qwen3_moe_dir):
         _shutdown()
 
 
-def test_a_grpo_trainer_on_the_other_node_syncs_over_the_node_addresses(cluster,
-                                                                        tiny_llama_dir,
-                                                                        tmp_path):
-    """placement: separate, STRICT_SPREAD: the trainer's bundle and the worker's land on two
-    nodes; the weight-update group's rank 0 (the trainer) listens on its own node's address
-    and each step's broadcast reaches the worker on the other node."""
+def _grpo_two_steps(model_dir: str, tmp_path, check, **options) -> tuple:
+    """Build a GRPO job of two steps (``options`` over a tiny base config), run ``check(job)``
+    before training, train; returns the job and its metric rows (two synced versions)."""
     import json
-
-    import ray
 
     from radixray.rl.config import GRPOConfig
     from radixray.rl.grpo import run
     from radixray.rl.job import Job
     cfg = GRPOConfig.parse({
-        "model": tiny_llama_dir, "task": "char_frequency", "steps": 2, "prompts_per_step": 2,
-        "group_size": 4, "max_new_tokens": 8, "micro_batch_size": 8, "held_out_prompts": 2,
-        "seed": 3, "placement": "separate",
-        "fleet": {"engine": {"dtype": "float32", "max_total_tokens": 4096},
-                  "fleet": {"workers": 1, "placement_strategy": "STRICT_SPREAD"}}})
+        "model": model_dir, "task": "char_frequency", "steps": 2, "prompts_per_step": 4,
+        "group_size": 4, "max_new_tokens": 8, "micro_batch_size": 16, "held_out_prompts": 2,
+        "seed": 3, **options})
     job = Job(cfg)
     try:
-        groups = [g for g in ray.util.placement_group_table().values()
-                  if g["state"] == "CREATED" and g["name"].startswith("grpo-")]
-        assert len(groups) == 1 and len(set(groups[0]["bundles_to_node_id"].values())) == 2
-        trainer_node = groups[0]["bundles_to_node_id"][0]
-        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-        assert ray.get(job.trainer.broadcast_address.remote())[0] == ips[trainer_node]
+        check(job)
     except BaseException:
         job.close()
         raise
     run(cfg, str(tmp_path), job=job)
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["synced_version"] for r in rows] == [1, 2]
+    return job, rows
+
+
+def test_a_grpo_trainer_on_the_other_node_syncs_over_the_node_addresses(cluster,
+                                                                        tiny_llama_dir,
+                                                                        tmp_path):
+    """placement: separate, STRICT_SPREAD: the trainer's bundle and the worker's land on two
+    nodes; the weight-update group's rank 0 (the trainer) listens on its own node's address
+    and each step's broadcast reaches the worker on the other node."""
+    import ray
+
+    def check(job) -> None:
+        groups = [g for g in ray.util.placement_group_table().values()
+                  if g["state"] == "CREATED" and g["name"].startswith("grpo-")]
+        assert len(groups) == 1 and len(set(groups[0]["bundles_to_node_id"].values())) == 2
+        trainer_node = groups[0]["bundles_to_node_id"][0]
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        assert ray.get(job.trainer.broadcast_address.remote())[0] == ips[trainer_node]
+    _grpo_two_steps(tiny_llama_dir, tmp_path, check, placement="separate", fleet={
+        "engine": {"dtype": "float32", "max_total_tokens": 4096},
+        "fleet": {"workers": 1, "placement_strategy": "STRICT_SPREAD"}})
 
 
 def test_losing_node2_under_load_ends_every_request_and_the_worker_moves(cluster,
@@ -193,28 +202,13 @@ def test_colocated_grpo_reaches_a_worker_off_the_trainers_node(cluster, tiny_lla
     """Colocated, two workers SPREAD over the nodes: the trainer's shared-memory file is
     read on its node, the other node's worker takes the same weights from the object store;
     both serve exactly the trainer's logprobs (deterministic) at every step."""
-    import json
-
     import ray
 
-    from radixray.rl.config import GRPOConfig
-    from radixray.rl.grpo import run
-    from radixray.rl.job import Job
-    cfg = GRPOConfig.parse({
-        "model": tiny_llama_dir, "task": "char_frequency", "steps": 2, "prompts_per_step": 4,
-        "group_size": 4, "max_new_tokens": 8, "micro_batch_size": 16, "held_out_prompts": 2,
-        "seed": 3, "deterministic": True,
-        "fleet": {"engine": {"dtype": "float32", "max_total_tokens": 4096},
-                  "fleet": {"workers": 2, "placement_strategy": "SPREAD"}}})
-    job = Job(cfg)
-    try:
+    def check(job) -> None:
         state = ray.get(job.controller.fleet_state.remote())
         assert sorted(w["node_ip"] for w in state["workers"]) == [HEAD_IP, NODE2_IP]
-    except BaseException:
-        job.close()
-        raise
-    run(cfg, str(tmp_path), job=job)
-    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [r["synced_version"] for r in rows] == [1, 2]
+    job, rows = _grpo_two_steps(tiny_llama_dir, tmp_path, check, deterministic=True, fleet={
+        "engine": {"dtype": "float32", "max_total_tokens": 4096},
+        "fleet": {"workers": 2, "placement_strategy": "SPREAD"}})
     assert all(r["logprob_abs_diff_max"] == 0.0 for r in rows), rows
     assert job._told_off_node  # one worker was off the trainer's node: the fallback ran
