@@ -344,21 +344,21 @@ class EngineWorker:
     async def begin_weight_update(self) -> None:
         self.engine.begin_weight_update()
 
-    async def update_weights_from_tensor(self, named_tensors, elsewhere=None) -> dict:
+    async def update_weights_from_tensor(self, named_tensors) -> dict:
         """``named_tensors``: ``(name, tensor)`` pairs, a :class:`~radixray.cluster.
         shared_weights.SharedWeightsHandle` (a colocated trainer's shared-memory file, read in
-        place), or a :func:`~radixray.cluster.tensor_payload.to_payload` list (passed as a
-        top-level ObjectRef, Ray maps it from the object store). ``elsewhere``: ``[ObjectRef
-        of the payload]`` for a worker that is not on the shared file's node."""
+        place; on another node, its ``elsewhere`` payload from the object store), or a
+        :func:`~radixray.cluster.tensor_payload.to_payload` list (passed as a top-level
+        ObjectRef, Ray maps it from the object store)."""
         if isinstance(named_tensors, SharedWeightsHandle) and not on_this_node(named_tensors):
-            if elsewhere is None:
+            if not named_tensors.elsewhere:
                 raise ValueError(f"the shared weights file is on node {named_tensors.node_ip}, "
                                  "not this worker's, and no payload came with it")
             if not self._warned_remote_shared:
                 self._warned_remote_shared = True
                 logger.info("the trainer's shared weights file is on another node (%s): "
                             "taking the weights from the object store", named_tensors.node_ip)
-            named_tensors = await elsewhere[0]
+            named_tensors = await named_tensors.elsewhere[0]
         if isinstance(named_tensors, SharedWeightsHandle):
             named_tensors = read_shared(named_tensors)
         elif is_payload(named_tensors):

@@ -28,6 +28,7 @@ each serves the fleet's version, and its integer floor is the fleet's or lower.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -65,10 +66,9 @@ def stage(source: WeightSource, handle):
         case TensorWeights(shared=None, payload=payload):
             return handle.update_weights_from_tensor.remote(payload)
         case TensorWeights(shared=shared, payload=payload):
-            # the payload in a list: Ray resolves it only for a worker that asks (off the
-            # shared file's node)
-            return handle.update_weights_from_tensor.remote(
-                shared, None if payload is None else [payload])
+            if payload is not None:  # for a worker off the shared file's node
+                shared = dataclasses.replace(shared, elsewhere=(payload,))
+            return handle.update_weights_from_tensor.remote(shared)
         case DistributedWeights(names=names, dtypes=dtypes, shapes=shapes, group_name=group):
             return handle.update_weights_from_distributed.remote(names, dtypes, shapes, group)
 

@@ -33,12 +33,15 @@ _MAPS: dict[str, tuple[int, mmap.mmap, torch.Tensor]] = {}  # path -> (inode, ma
 class SharedWeightsHandle:
     """Where each tensor lies in the file: ``(name, dtype name, shape, byte offset)``;
     ``node_ip``: the Ray node the file is on (None outside Ray): only a reader on that node
-    can map it."""
+    can map it; ``elsewhere``: how a reader on another node gets the tensors."""
 
     path: str
     entries: tuple[tuple[str, str, tuple[int, ...], int], ...]
     nbytes: int
     node_ip: str | None = None
+    # (ObjectRef of the same tensors as a to_payload list,) for a reader on another node;
+    # nested in a tuple so Ray resolves it only for the reader that asks
+    elsewhere: tuple = ()
 
 
 class SharedWeightsWriter:

@@ -169,7 +169,9 @@ def test_losing_node2_under_load_ends_every_request_and_the_worker_moves(cluster
     cfg["fleet"]["placement_strategy"] = "SPREAD"
     base = serve_app(cfg)
     try:
-        assert sorted(w["node_ip"] for w in _workers(base)) == [HEAD_IP, NODE2_IP]
+        before = {w["worker_id"]: w["node_ip"] for w in _workers(base)}
+        assert sorted(before.values()) == [HEAD_IP, NODE2_IP]
+        (moved,) = [w for w, ip in before.items() if ip == NODE2_IP]
 
         def ask(i: int) -> int:
             r = httpx.post(f"{base}/v1/completions", timeout=120, json={
@@ -180,6 +182,7 @@ def test_losing_node2_under_load_ends_every_request_and_the_worker_moves(cluster
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(ask, i) for i in range(24)]
             time.sleep(1.0)
+            killed_at = time.time()
             cluster.kill_node2()
             codes = [f.result(timeout=180) for f in futures]  # none hangs
         assert set(codes) <= {200, 500, 503} and codes.count(200) >= 1, codes
@@ -191,7 +194,9 @@ def test_losing_node2_under_load_ends_every_request_and_the_worker_moves(cluster
             assert time.monotonic() < deadline, workers
             time.sleep(1.0)
         assert [w["node_ip"] for w in workers] == [HEAD_IP, HEAD_IP]
-        assert sum(w["restarts"] for w in workers) == 1
+        # a new actor for the lost slot (the controller itself may have been on node 2 and
+        # come back from its checkpoint, so the restart counter is not what to read)
+        assert next(w for w in workers if w["worker_id"] == moved)["started_at"] > killed_at
         assert [_greedy(base, p) for p in PROMPTS[:2]]
     finally:
         _shutdown()
