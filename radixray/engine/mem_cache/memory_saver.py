@@ -4,34 +4,10 @@ This is SGLang's ``release_memory_occupation`` / ``resume_memory_occupation`` fo
 between rollouts the trainer needs the memory the engine holds, so the engine
 gives back the bytes behind its KV pool and its weights and takes them again later.
 
-How the bytes go: ``tensor.untyped_storage().resize_(0)`` on every distinct storage
-(the way FSDP frees parameters). The tensor objects, their shapes and every view of
-them (tied embeddings, parameters packed into one huge-page buffer, the KV pool's
-per-layer tensors held by the attention backend) stay valid; only the memory under
-them goes, and ``resize_(n)`` gives them new memory later. That keeps object
-identity, which is what SGLang's memory saver keeps by holding on to virtual
-addresses; the raw addresses do change on resume, so anything that captured them
-(CUDA graphs) would have to be captured again (the engine has none today). CPU
-storages of 32 MiB and more come from mmap and go straight back to the kernel;
-smaller ones go back to glibc's arenas, and ``malloc_trim`` then returns their pages
-(all but up to glibc's trim threshold at the top of a thread's arena). CUDA memory
-goes back to the driver through ``torch.cuda.empty_cache``.
-
-What happens to the content:
-
-- ``weights`` keep it. Before their storages are freed the bytes are spilled: on CPU
-  to an unnamed temporary file under ``<cache_dir>/spill`` (the page cache holds it
-  while memory is plentiful and the kernel can write it to disk and evict it when
-  the trainer needs the RAM: keeping a second copy in process memory would free
-  nothing); on CUDA to CPU memory. Resume allocates the storages again, advises
-  huge pages on the untouched CPU memory (as at load time), reads the bytes back
-  and closes the file (which deletes it). Weights must not be updated while released.
-- ``kv_cache`` does not: releasing it first flushes the radix cache, so no request
-  and no cached prefix refers to a slot. Resume allocates the pool again and
-  zero-fills it, which faults every page in at once (a memory shortfall shows at
-  resume, not in the middle of a step) and keeps padding slot 0 finite. On CPU the
-  pool is advised for huge pages first, as at start-up; the kernel may then have to
-  compact memory to find them, which is most of a large pool's resume time.
+The bytes themselves (freed with ``resize_(0)``, weights spilled and read back, the KV
+pool zero-filled) are :class:`~radixray.engine.mem_cache.storage_saver.StorageSaver`'s
+work; this module adds the scheduler's side: the checks, the cache flush, the allocator
+reset, and the relay to tensor-parallel followers, which free their shards too.
 
 Both calls run on the scheduler thread (``Engine.call_in_loop``). Generation must be
 paused first, and ``continue_generation`` refuses while any tag is released

@@ -134,11 +134,8 @@ class TPShard:
         if split is None:
             return tensor
         (how, family), kind = split
-        if family == "inter" and local_shape is not None and kind == "weight":
-            count = local_shape[1] if how == "row" else local_shape[0]
-            start = self.rank * count
-        elif family == "inter" and local_shape is not None:  # a column-parallel bias
-            count = local_shape[0]
+        if family == "inter" and local_shape is not None:
+            count = local_shape[1] if how == "row" and kind == "weight" else local_shape[0]
             start = self.rank * count
         else:
             start, count = self.rows(family)
