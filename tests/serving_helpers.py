@@ -48,13 +48,16 @@ def start_local_ray():
              include_dashboard=False, namespace="radixray", log_to_driver=False)
 
 
-def serve_app(config: dict) -> str:
-    """Deploy ``build_app(config)``; return the base URL once /ready answers 200."""
+def serve_app(config: dict, proxy_location: str | None = None) -> str:
+    """Deploy ``build_app(config)``; return the base URL once /ready answers 200.
+    ``proxy_location`` goes to ``serve.start`` (Ray Serve's default, one HTTP proxy per
+    node, when None)."""
     from ray import serve
 
     from radixray import build_app
     port = config["server"]["port"]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    options = {} if proxy_location is None else {"proxy_location": proxy_location}
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, **options)
     serve.run(build_app(config), name="radixray", route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{port}"
     wait_ready(base)

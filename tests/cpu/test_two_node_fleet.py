@@ -37,7 +37,15 @@ def _greedy(base: str, prompt: str) -> str:
 
 def _serve(config: dict) -> str:
     config["fleet"]["placement_strategy"] = "STRICT_SPREAD"
-    return serve_app(config)
+    return _serve_from_the_head(config)
+
+
+def _serve_from_the_head(config: dict) -> str:
+    """Serve with one HTTP proxy, the head's. Ray Serve's default puts a proxy on every
+    node, and node 2's (listening on all addresses, with SO_REUSEPORT) would share the
+    head's 127.0.0.1 port on this one machine: the kernel would hand it some of the
+    test's connections, reset when node 2 is killed."""
+    return serve_app(config, proxy_location="HeadOnly")
 
 
 def _shutdown() -> None:
@@ -46,7 +54,19 @@ def _shutdown() -> None:
 
 
 def _workers(base: str) -> list[dict]:
-    return httpx.get(f"{base}/fleet", timeout=60).json()["workers"]
+    r = httpx.get(f"{base}/fleet", timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["workers"]
+
+
+def _workers_when_reachable(base: str) -> list[dict] | None:
+    """The fleet's workers, or None while /fleet answers 503 (the controller was on the
+    lost node and is coming back from its checkpoint)."""
+    r = httpx.get(f"{base}/fleet", timeout=60)
+    if r.status_code == 503:
+        return None
+    assert r.status_code == 200, r.text
+    return r.json()["workers"]
 
 
 def test_workers_on_both_nodes_and_the_router_uses_both(cluster, tiny_llama_dir):
@@ -167,7 +187,7 @@ def test_losing_node2_under_load_ends_every_request_and_the_worker_moves(cluster
     cfg["fleet"] = {"workers": 2, "health_check_interval_s": 0.5, "max_restarts": 2}
     cfg["router"] = {"policy": "round_robin", "retry_backoff_s": 0.05}
     cfg["fleet"]["placement_strategy"] = "SPREAD"
-    base = serve_app(cfg)
+    base = _serve_from_the_head(cfg)
     try:
         before = {w["worker_id"]: w["node_ip"] for w in _workers(base)}
         assert sorted(before.values()) == [HEAD_IP, NODE2_IP]
@@ -176,7 +196,10 @@ def test_losing_node2_under_load_ends_every_request_and_the_worker_moves(cluster
         def ask(i: int) -> int:
             r = httpx.post(f"{base}/v1/completions", timeout=120, json={
                 "model": "tiny", "prompt": f"load {i}", "max_tokens": 48, "ignore_eos": True})
-            assert r.status_code == 200 or r.json()["error"]["message"], r.text
+            if r.status_code != 200 and r.text != "Internal Server Error":
+                assert r.json()["error"]["message"], r.text
+            # (Ray Serve's proxy answers a bare 500 for a request whose ingress replica
+            # was itself on the lost node: that one never reaches radixray's handlers)
             return r.status_code
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -188,8 +211,8 @@ def test_losing_node2_under_load_ends_every_request_and_the_worker_moves(cluster
         assert set(codes) <= {200, 500, 503} and codes.count(200) >= 1, codes
         deadline = time.monotonic() + 180
         while True:
-            workers = _workers(base)
-            if all(w["state"] == "ready" for w in workers) and len(workers) == 2:
+            workers = _workers_when_reachable(base)
+            if workers and all(w["state"] == "ready" for w in workers) and len(workers) == 2:
                 break
             assert time.monotonic() < deadline, workers
             time.sleep(1.0)
