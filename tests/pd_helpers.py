@@ -13,10 +13,15 @@ _rooms = itertools.count(1000)
 
 
 class EnginePair:
-    def __init__(self, model: str, **options):
+    """``prefill_options`` / ``decode_options`` go to one side only (``tp_size``, say)."""
+
+    def __init__(self, model: str, prefill_options: dict | None = None,
+                 decode_options: dict | None = None, **options):
         common = dict(dtype="float32", check_kv_conservation=True, **options)
-        self.p = Engine(model=model, worker_id="p0", disaggregation_mode="prefill", **common)
-        self.d = Engine(model=model, worker_id="d0", disaggregation_mode="decode", **common)
+        self.p = Engine(model=model, worker_id="p0", disaggregation_mode="prefill",
+                        **common, **(prefill_options or {}))
+        self.d = Engine(model=model, worker_id="d0", disaggregation_mode="decode",
+                        **common, **(decode_options or {}))
         self.engines = {"p0": self.p, "d0": self.d}
         self.dropped: list = []  # messages the test chose not to deliver
         self.drop = None  # predicate(worker, message) -> True to drop

@@ -96,10 +96,10 @@ class Controller(FleetOperations):
         saved = fleet_checkpoint.load(self.cfg.controller_name())
         if saved is not None:
             self._restore(saved)
-        bundle = self.cfg.worker_bundle()
-        if bundle and self.placement_group is None:
+        bundles = [self.cfg.worker_bundle(role) for role in self.cfg.slot_roles()]
+        if any(bundles) and self.placement_group is None:
             from ray.util import placement_group
-            self.placement_group = placement_group([dict(bundle)] * len(self.cfg.slot_roles()),
+            self.placement_group = placement_group(bundles,
                                                    strategy=fleet.placement_strategy,
                                                    name=f"{self.cfg.controller_name()}-workers",
                                                    lifetime="detached")
@@ -136,7 +136,8 @@ class Controller(FleetOperations):
             await self.pd.handshake(self.registry)
         logger.info("fleet ready in %.1f s: %d/%d workers (%d adopted running), policy %s, "
                     "placement %s %s", time.perf_counter() - t0, len(ready), len(records),
-                    adopted, self.policy, fleet.placement_strategy, bundle or "(no bundle)")
+                    adopted, self.policy, fleet.placement_strategy,
+                    bundles if any(bundles) else "(no bundle)")
         self._spawn(self._health_loop())
         await self._publish()
 
@@ -228,7 +229,7 @@ class Controller(FleetOperations):
         rank and rendezvous in an expert-parallel group."""
         from radixray.actors.engine_worker import worker_actor_class
         s = self.cfg.server
-        cpus, gpus = self.cfg.worker_resources()
+        cpus, gpus = self.cfg.worker_resources(rec.role)
         options = dict(num_cpus=cpus, num_gpus=gpus, max_concurrency=1000)
         if self.placement_group is not None:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -264,7 +265,7 @@ class Controller(FleetOperations):
         except Exception as exc:  # noqa: BLE001 - any start-up failure marks the slot dead
             self._mark_dead(rec, f"start-up failed: {unwrap_ray_error(exc)}")
             return
-        rec.kv_session, rec.kv_layout = info.kv_session, info.kv_layout
+        rec.kv_session, rec.kv_endpoint = info.kv_session, info.kv_endpoint
         rec.generation, rec.started_at, rec.pid = info.generation, info.started_at, info.pid
         rec.node_ip = info.node_ip
         rec.weight_version = info.weight_version

@@ -227,11 +227,12 @@ class EngineWorker:
     async def info(self) -> WorkerInfo:
         """Static facts the ingress needs: limits, model path, worker id."""
         limits = self.engine.limits
-        session, layout = self.engine.pd_endpoint()
+        endpoint = self.engine.pd_endpoint()
         return WorkerInfo(self.worker_id, self.engine.config.model, limits.context_len,
                           limits.vocab_size, limits.max_total_tokens, self.draining, self.role,
-                          session, layout, self.generation, self.started_at,
-                          self.engine.get_weight_version(), os.getpid(), _node_ip())
+                          endpoint.session if endpoint else None, endpoint, self.generation,
+                          self.started_at, self.engine.get_weight_version(), os.getpid(),
+                          _node_ip())
 
     # ---- prefill-decode disaggregation (engine/disaggregation/, actors/pd_outbox.py) -----
     async def pd_deliver(self, message) -> None:
@@ -242,10 +243,10 @@ class EngineWorker:
         """Rooms of this worker's side by state, and whether a test stall holds the sender."""
         return await self._later(self.engine.pd_status)
 
-    async def pd_probe(self, decode_worker: str, session: str, layout) -> float:
-        """Handshake (prefill worker): write this pool's padding slot into ``decode_worker``'s
-        over the transport, every layer; returns the seconds it took."""
-        return await asyncio.to_thread(self.engine.pd_probe, session, layout)
+    async def pd_probe(self, decode_worker: str, endpoint) -> float:
+        """Handshake (prefill worker): write every rank's padding slot into ``decode_worker``'s
+        (its ``endpoint``) over the transport, every layer; returns the seconds it took."""
+        return await asyncio.to_thread(self.engine.pd_probe, endpoint)
 
     async def snapshot(self) -> EngineSnapshot:
         return await self._later(self.engine.snapshot)

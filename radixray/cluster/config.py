@@ -332,15 +332,16 @@ class ServeConfig(BaseModel):
             opts["disaggregation_mode"] = role
         return opts
 
-    def worker_resources(self) -> tuple[float, float]:
-        """(CPUs, GPUs) one engine worker actor reserves: a tensor-parallel worker's follower
-        ranks are processes it starts beside it, so it reserves tp_size times as much."""
-        s, tp = self.server, self.engine.tp_size
+    def worker_resources(self, role: str = "unified") -> tuple[float, float]:
+        """(CPUs, GPUs) one engine worker actor of ``role`` reserves: a tensor-parallel
+        worker's follower ranks are processes it starts beside it, so it reserves tp_size
+        times as much (prefill and decode workers may differ in tp_size)."""
+        s, tp = self.server, self.engine_options_for(role)["tp_size"]
         return s.worker_num_cpus * tp, s.worker_num_gpus * tp
 
-    def worker_bundle(self) -> dict:
-        """The resources one engine worker's placement bundle asks for ({} when none)."""
-        cpus, gpus = self.worker_resources()
+    def worker_bundle(self, role: str = "unified") -> dict:
+        """The resources one ``role`` worker's placement bundle asks for ({} when none)."""
+        cpus, gpus = self.worker_resources(role)
         return {k: v for k, v in (("CPU", cpus), ("GPU", gpus)) if v > 0}
 
     def fleet_key(self) -> str:

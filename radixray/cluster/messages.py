@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from radixray.engine.disaggregation.messages import KVLayout, PDBootstrap
+from radixray.engine.disaggregation.messages import KVEndpoint, PDBootstrap
 from radixray.engine.sampling import SamplingParams
 
 
@@ -46,8 +46,8 @@ class WorkerInfo:
     max_total_tokens: int
     draining: bool
     role: str = "unified"
-    kv_session: str | None = None  # prefill/decode: the KV transfer endpoint
-    kv_layout: KVLayout | None = None
+    kv_session: str | None = None  # prefill/decode: the driver rank's KV transfer session
+    kv_endpoint: KVEndpoint | None = None  # prefill/decode: every rank's session and pool
     generation: int = 0  # the incarnation of its slot (the controller's count)
     started_at: float = 0.0  # wall clock when the actor was created
     weight_version: int | str = 0  # an int or a string label (engine/weights/version.py)

@@ -51,7 +51,7 @@ class PDBootstrapService:
         p, d = prefills[0], decodes[0]
         t0 = time.perf_counter()
         try:
-            await p.handle.pd_probe.remote(d.worker_id, d.kv_session, d.kv_layout)
+            await p.handle.pd_probe.remote(d.worker_id, d.kv_endpoint)
         except Exception as exc:  # noqa: BLE001 - any failure leaves the fleet not PD-ready
             self.last_error = f"handshake {p.worker_id} -> {d.worker_id} failed: " \
                               f"{unwrap_ray_error(exc)}"

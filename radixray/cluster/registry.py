@@ -40,8 +40,8 @@ class WorkerRecord:
     healthy: bool = True  # False while pings time out (the worker may only be busy)
     load: WorkerLoad | None = None  # last answer of EngineWorker.load()
     error: str | None = None  # why it last died
-    kv_session: str | None = None  # prefill/decode: its KV transfer endpoint (host:port)
-    kv_layout: object | None = None  # prefill/decode: its KV pool layout (KVLayout)
+    kv_session: str | None = None  # prefill/decode: its driver rank's transfer session
+    kv_endpoint: object | None = None  # prefill/decode: every rank's session and pool layout
     pid: int | None = None  # the actor's process id (on its node)
     node_ip: str | None = None  # the address of the Ray node it runs on
 

@@ -89,7 +89,7 @@ class Engine:
         if self.config.disaggregation_mode is not None:
             from radixray.engine.disaggregation.setup import PDLink
             self.pd = PDLink(self.config.disaggregation_mode, worker_id, self.scheduler,
-                             self.runner.kv_pool, self.config, kv_transport)
+                             self.runner, self.config, kv_transport)
         self.weights = WeightUpdater(self.runner, self.scheduler, self.memory)
         self.runner.eplb = ExpertBalancer.create(self.config, self.runner.model,
                                                  self.weights.exclusive, self.runner.ep)
@@ -301,9 +301,9 @@ class Engine:
         return request_rebalance(self.runner.eplb, self.call_in_loop, self.weights, timeout)
 
     # ---- prefill-decode pairs (engine/disaggregation/) ---------------------------------
-    def pd_endpoint(self) -> tuple:
-        """(transfer session, KV layout) a peer writes into; (None, None) when unified."""
-        return (self.pd.session, self.pd.layout) if self.pd is not None else (None, None)
+    def pd_endpoint(self):
+        """The ``KVEndpoint`` a peer writes into (every rank's pool); None when unified."""
+        return self.pd.endpoint if self.pd is not None else None
 
     def connect_pd_outbox(self, outbox: Callable[[str, object], None]) -> None:
         """``outbox(worker_id, message)`` delivers room messages to the other worker of a pair
@@ -324,10 +324,10 @@ class Engine:
         sender; {} when unified."""
         return self.pd.status() if self.pd is not None else {}
 
-    def pd_probe(self, session: str, layout) -> float:
-        """Handshake (prefill engine): write this pool's padding slot into the peer's
-        ``session`` over the transport, every layer; returns the seconds it took."""
-        return self._pd_link().probe(session, layout)
+    def pd_probe(self, endpoint) -> float:
+        """Handshake (prefill engine): write the padding slot of every rank's pool into the
+        peer ``endpoint``'s, every layer; returns the seconds it took."""
+        return self._pd_link().probe(endpoint)
 
     def _pd_link(self):
         if self.pd is None:

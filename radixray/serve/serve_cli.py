@@ -69,6 +69,9 @@ def add_parser(sub) -> None:
     p.add_argument("--config", help="YAML file (see configs/serve/default.yaml); flags override it")
     options.add_flags(p, EngineConfig, with_defaults=False)
     add_section_flags(p)
+    for role in ("prefill", "decode"):
+        p.add_argument(f"--{role}-tp-size", type=int, help=f"tensor-parallel ranks of each "
+                       f"{role} worker (fleet.{role}_engine.tp_size; default: --tp-size)")
     p.add_argument("--address", help="join a running Ray cluster (default: start a local one)")
     p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray instance")
     p.add_argument("--drain-timeout", type=float, default=None,
@@ -86,6 +89,10 @@ def config_from_args(args):
         value = getattr(args, prefix + name, None)
         if value is not None:
             overrides.setdefault(section, {})[name] = value
+    for role in ("prefill", "decode"):
+        value = getattr(args, f"{role}_tp_size", None)
+        if value is not None:
+            overrides.setdefault("fleet", {}).setdefault(f"{role}_engine", {})["tp_size"] = value
     if args.config:
         return ServeConfig.load(args.config, overrides)
     return ServeConfig.parse(overrides)

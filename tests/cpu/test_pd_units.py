@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from radixray.cluster.config import ConfigError, ServeConfig
-from radixray.engine.disaggregation.layout import copy_spans, slot_runs
-from radixray.engine.disaggregation.messages import KVLayout, PDBootstrap
+from radixray.engine.disaggregation.layout import HeadPiece, copy_spans, head_plan, slot_runs
+from radixray.engine.disaggregation.messages import KVEndpoint, KVLayout, PDBootstrap
 
 
 def test_roles_from_config():
@@ -81,6 +81,40 @@ def test_copy_spans_cover_every_layer_key_and_value():
     assert a.mismatch(KVLayout((1,), (2,), 16, "float32")) is not None
 
 
+def _group(*heads: tuple[int, ...], head_bytes: int = 8) -> KVEndpoint:
+    """A worker whose rank r holds KV heads ``heads[r]`` (addresses made up)."""
+    layouts = tuple(KVLayout((1000 * (r + 1),), (2000 * (r + 1),), head_bytes * len(h),
+                             "float32", h) for r, h in enumerate(heads))
+    return KVEndpoint(tuple(f"s{r}" for r in range(len(heads))), layouts)
+
+
+def test_head_plan_reslices_kv_heads_between_tp_sizes():
+    one, two = _group((0, 1)), _group((0,), (1,))
+    assert head_plan(one, 0, two) == {0: [HeadPiece(0, 0, 1)], 1: [HeadPiece(1, 0, 1)]}
+    assert head_plan(two, 0, one) == {0: [HeadPiece(0, 0, 1)]}
+    assert head_plan(two, 1, one) == {0: [HeadPiece(0, 1, 1)]}
+    assert head_plan(one, 0, one) == {0: [HeadPiece(0, 0, 2)]}  # whole rows
+    # TP 4 over 2 KV heads: each head on two ranks; the writers are spread round robin
+    four = _group((0,), (0,), (1,), (1,))
+    plans = [head_plan(four, r, two) for r in range(4)]
+    assert plans == [{0: [HeadPiece(0, 0, 1)]}, {}, {}, {1: [HeadPiece(0, 0, 1)]}]
+    into_four = [head_plan(two, r, four) for r in range(2)]
+    assert into_four == [{0: [HeadPiece(0, 0, 1)], 1: [HeadPiece(0, 0, 1)]},
+                         {2: [HeadPiece(0, 0, 1)], 3: [HeadPiece(0, 0, 1)]}]
+    assert two.mismatch(four) is None and four.mismatch(one) is None
+    assert "different KV heads" in one.mismatch(_group((0,), (2,)))
+    assert "bytes per KV head" in one.mismatch(_group((0, 1), head_bytes=4))
+
+
+def test_a_piece_of_each_row_is_one_span_per_slot_layer_and_buffer():
+    src = KVLayout((1000,), (5000,), 16, "float32", (0, 1))  # two heads of 8 bytes per slot
+    dst = KVLayout((100,), (900,), 8, "float32", (1,))
+    s, d, n = copy_spans(src, torch.tensor([2, 3]), dst, torch.tensor([7, 8]),
+                         HeadPiece(1, 0, 1))
+    assert s == [1000 + 32 + 8, 1000 + 48 + 8, 5000 + 32 + 8, 5000 + 48 + 8]
+    assert d == [100 + 56, 100 + 64, 900 + 56, 900 + 64] and n == [8] * 4
+
+
 def test_bootstrap_room_bounds():
     PDBootstrap(2**63 - 1, "w")
     for bad in (-1, 2**63, "7", True):
@@ -135,3 +169,18 @@ def test_a_router_used_directly_starts_no_ray():
         return RouterActor(RouterSettings()).restarted
     assert asyncio.run(run()) is False
     assert not ray.is_initialized()
+
+
+def test_per_role_tp_size_flags_reach_each_roles_engine_and_resources():
+    import argparse
+
+    from radixray.serve import serve_cli
+    parser = argparse.ArgumentParser()
+    serve_cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--prefill-workers", "1", "--decode-workers", "1",
+                              "--prefill-tp-size", "2", "--decode-tp-size", "4"])
+    cfg = serve_cli.config_from_args(args)
+    assert cfg.engine_options_for("prefill")["tp_size"] == 2
+    assert cfg.engine_options_for("decode")["tp_size"] == 4
+    assert cfg.worker_resources("prefill")[0] == 2 * cfg.server.worker_num_cpus
+    assert cfg.worker_resources("decode")[0] == 4 * cfg.server.worker_num_cpus

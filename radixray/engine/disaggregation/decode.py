@@ -27,7 +27,7 @@ from radixray.engine.disaggregation.messages import (
     CancelRoom,
     KVArrival,
     KVDestination,
-    KVLayout,
+    KVEndpoint,
     PDState,
     PeerGone,
 )
@@ -50,9 +50,9 @@ class _Room:
 class DecodeSide:
     """Rooms of one decode engine; ``send(worker, message)`` reaches a prefill worker."""
 
-    def __init__(self, scheduler, session: str, layout: KVLayout, send, worker_id: str,
+    def __init__(self, scheduler, endpoint: KVEndpoint, send, worker_id: str,
                  waiting_timeout_s: float):
-        self.s, self.session, self.layout, self.send = scheduler, session, layout, send
+        self.s, self.endpoint, self.send = scheduler, endpoint, send
         self.worker_id, self.waiting_timeout_s = worker_id, waiting_timeout_s
         self.rooms: dict[int, _Room] = {}
         self.prealloc: list[Req] = []
@@ -107,8 +107,8 @@ class DecodeSide:
             room = self.rooms[req.pd.room]
             room.state, room.since, room.start = PDState.WAITING_FOR_INPUT, time.monotonic(), \
                 req.kv_len
-            self.send(req.pd.peer, KVDestination(req.pd.room, self.worker_id, self.session,
-                                                 self.layout, slots.tolist(), req.kv_len))
+            self.send(req.pd.peer, KVDestination(req.pd.room, self.worker_id, self.endpoint,
+                                                 slots.tolist(), req.kv_len))
 
     # ---- the prefill side's answers --------------------------------------------------
     def on_arrival(self, msg: KVArrival) -> None:

@@ -43,38 +43,74 @@ class PDBootstrap:
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """Where one engine's KV pool lives: per layer, the base address of the key and the
-    value buffer (one row of ``slot_bytes`` per slot). Two engines exchange KV only when
-    their layouts agree on everything but the addresses."""
+    """Where one rank's KV pool lives: per layer, the base address of the key and the value
+    buffer (one row of ``slot_bytes`` per slot: its KV heads side by side), and which of the
+    model's KV heads those are (``heads``, in the row's order; a tensor-parallel rank holds
+    some of them). Two pools exchange KV only when they agree on layers, bytes per head and
+    dtype."""
 
     k_addrs: tuple[int, ...]
     v_addrs: tuple[int, ...]
     slot_bytes: int
     dtype: str
+    heads: tuple[int, ...] = (0,)
 
     @property
     def num_layers(self) -> int:
         return len(self.k_addrs)
 
+    @property
+    def head_bytes(self) -> int:
+        return self.slot_bytes // len(self.heads)
+
     def mismatch(self, other: KVLayout) -> str | None:
         """Why KV of ``other``'s pool cannot be written into this one (None: it can)."""
-        mine = (self.num_layers, self.slot_bytes, self.dtype)
-        theirs = (other.num_layers, other.slot_bytes, other.dtype)
+        mine = (self.num_layers, self.head_bytes, self.dtype)
+        theirs = (other.num_layers, other.head_bytes, other.dtype)
         if mine != theirs:
-            return (f"KV layouts differ (layers, bytes per slot, dtype): {mine} here, "
+            return (f"KV layouts differ (layers, bytes per KV head, dtype): {mine} here, "
                     f"{theirs} there; both workers must serve the same model and kv_cache_dtype")
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class KVEndpoint:
+    """Where a worker's KV lives: one transfer session and pool layout per tensor-parallel
+    rank, in rank order (one of each without tensor parallelism)."""
+
+    sessions: tuple[str, ...]
+    layouts: tuple[KVLayout, ...]
+
+    @property
+    def session(self) -> str:
+        """The driver rank's session (what /fleet shows)."""
+        return self.sessions[0]
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.layouts)
+
+    def heads(self) -> set[int]:
+        return {h for layout in self.layouts for h in layout.heads}
+
+    def mismatch(self, other: KVEndpoint) -> str | None:
+        """Why KV of ``other``'s ranks cannot be written into this worker's (None: it can):
+        the pools must agree per head, and together hold the same KV heads."""
+        error = self.layouts[0].mismatch(other.layouts[0])
+        if error is None and self.heads() != other.heads():
+            error = (f"the workers hold different KV heads ({sorted(self.heads())} here, "
+                     f"{sorted(other.heads())} there); both must serve the same model")
+        return error
 
 
 @dataclass(slots=True)
 class KVDestination:
     """Decode -> prefill: write the KV of prompt positions ``start ..`` into ``slots``
-    (one per position) of the pool at ``layout``, reachable at transfer ``session``."""
+    (one per position, the same in every rank's pool) of the decode worker's ``endpoint``."""
 
     room: int
     decode_worker: str
-    session: str
-    layout: KVLayout
+    endpoint: KVEndpoint
     slots: list[int]
     start: int
 

@@ -100,7 +100,7 @@ class PrefillSide:
             self.notify(dest.decode_worker, KVArrival(dest.room, self.worker_id, False,
                                                       "the prefill request was cancelled"))
             return
-        error = self.sender.layout.mismatch(dest.layout)
+        error = self.sender.endpoint.mismatch(dest.endpoint)
         if error is not None:
             self.notify(dest.decode_worker, KVArrival(dest.room, self.worker_id, False, error))
             if room is not None and room.req is not None:

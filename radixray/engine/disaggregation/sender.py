@@ -18,16 +18,28 @@ from dataclasses import dataclass
 
 import torch
 
-from radixray.engine.disaggregation.layout import copy_spans
+from radixray.engine.disaggregation.layout import rank_spans
 from radixray.engine.disaggregation.messages import (
     KVArrival,
     KVDestination,
-    KVLayout,
+    KVEndpoint,
     TransferOutcome,
 )
 from radixray.engine.faults import FaultInjector
 
 logger = logging.getLogger("radixray.pd")
+
+
+def write_share(transport, src: KVEndpoint, rank: int, src_slots: torch.Tensor,
+                dst: KVEndpoint, dst_slots: torch.Tensor) -> int:
+    """Rank ``rank`` of worker ``src`` writes its share of ``src_slots`` into ``dst_slots``
+    of worker ``dst`` (every destination rank it owes heads to); returns the bytes."""
+    written = 0
+    for session, src_addrs, dst_addrs, lengths in rank_spans(src, rank, src_slots, dst,
+                                                             dst_slots):
+        transport.write(session, src_addrs, dst_addrs, lengths)
+        written += sum(lengths)
+    return written
 
 
 @dataclass(slots=True)
@@ -61,6 +73,9 @@ class _RoomProgress:
 class KVSender:
     """``transport.write(session, src, dst, lengths)`` in a thread; ``report(outcome)``
     hands outcomes to the scheduler; ``notify(worker, message)`` sends to the decode side.
+    ``endpoint``: this worker's ranks; with tensor parallelism ``group`` (a
+    :class:`~radixray.engine.disaggregation.tp_group.GroupWrites`) has the followers write
+    their shares of each job, and a job ends when every rank's share landed.
 
     Per room: the decode worker gets exactly one :class:`KVArrival` (success with the
     first token, or the failure); the scheduler gets one final :class:`TransferOutcome`
@@ -70,10 +85,11 @@ class KVSender:
     before each write.
     """
 
-    def __init__(self, transport, layout: KVLayout, worker_id: str,
+    def __init__(self, transport, endpoint: KVEndpoint, worker_id: str,
                  report: Callable[[TransferOutcome], None],
-                 notify: Callable[[str, object], None]):
-        self.transport, self.layout, self.worker_id = transport, layout, worker_id
+                 notify: Callable[[str, object], None], group=None):
+        self.transport, self.endpoint, self.worker_id = transport, endpoint, worker_id
+        self.group = group
         self.report, self.notify = report, notify
         self.faults: FaultInjector | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -112,10 +128,7 @@ class KVSender:
             try:
                 if self.faults is not None:
                     self.faults.before_kv_write(final=job.arrival is not None)
-                src, dst, lengths = copy_spans(self.layout, job.src_slots, job.dest.layout,
-                                               job.dst_slots)
-                self.transport.write(job.dest.session, src, dst, lengths)
-                progress.bytes += sum(lengths)
+                progress.bytes += self.write(job.dest.endpoint, job.src_slots, job.dst_slots)
             except Exception as exc:  # noqa: BLE001 - a failure fails the room, not the thread
                 progress.error = f"KV transfer to {job.dest.decode_worker} failed: {exc}"
                 logger.warning("room %d: %s", room, progress.error)
@@ -127,6 +140,21 @@ class KVSender:
             progress.seconds += time.perf_counter() - t0
         if job.arrival is not None:
             self._end(room, job.arrival, None, job.dest.decode_worker)
+
+    def write(self, dest: KVEndpoint, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> int:
+        """Every rank's share of one job (the followers' through ``group``); returns the
+        bytes; raises when any share failed, once every rank is done with the job."""
+        ticket = None if self.group is None else self.group.dispatch(dest, src_slots, dst_slots)
+        try:
+            written = write_share(self.transport, self.endpoint, 0, src_slots, dest, dst_slots)
+        finally:
+            if ticket is not None:
+                error, theirs = self.group.wait(ticket)
+        if ticket is not None:
+            if error is not None:
+                raise RuntimeError(error)
+            written += theirs
+        return written
 
     def _end(self, room: int, arrival: KVArrival | None, reason: str | None,
              decode_worker: str | None) -> None:

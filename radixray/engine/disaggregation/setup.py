@@ -10,16 +10,23 @@ import time
 from collections.abc import Callable
 
 from radixray.engine.disaggregation.decode import DecodeSide
-from radixray.engine.disaggregation.layout import pool_layout
 from radixray.engine.disaggregation.messages import (
     CancelRoom,
     KVDestination,
+    KVEndpoint,
     KVLayout,
     PDBootstrap,
     PeerGone,
 )
 from radixray.engine.disaggregation.prefill import PrefillSide
 from radixray.engine.disaggregation.sender import KVSender
+from radixray.engine.disaggregation.tp_group import (
+    GroupWrites,
+    fault_in_pool,
+    gather_endpoint,
+    register_pool,
+    runner_layout,
+)
 from radixray.engine.faults import FaultInjector
 
 logger = logging.getLogger("radixray.pd")
@@ -40,48 +47,43 @@ class PDLink:
     (``PeerGone``) when a room waits on it.
     """
 
-    def __init__(self, mode: str, worker_id: str, scheduler, kv_pool, config, transport=None):
+    def __init__(self, mode: str, worker_id: str, scheduler, runner, config, transport=None):
         from radixray.engine.disaggregation.mooncake import MooncakeTransport
         self.mode, self.worker_id, self.scheduler = mode, worker_id, scheduler
-        self.transport = transport or MooncakeTransport(
-            config.disaggregation_transfer_host or "127.0.0.1",
-            config.disaggregation_transfer_protocol)
-        for buf in kv_pool.k_buffers + kv_pool.v_buffers:
-            self.transport.register(buf.data_ptr(), buf.numel() * buf.element_size())
-        self.layout: KVLayout = pool_layout(kv_pool.k_buffers, kv_pool.v_buffers)
+        host = config.disaggregation_transfer_host or "127.0.0.1"
+        self.transport = transport or MooncakeTransport(host,
+                                                        config.disaggregation_transfer_protocol)
+        register_pool(self.transport, runner.kv_pool)
+        self.layout: KVLayout = runner_layout(runner)
+        tp = runner.tp
+        self.group = None  # a tensor-parallel prefill worker's followers write their shares
+        if tp.size == 1:
+            self.endpoint = KVEndpoint((self.transport.session,), (self.layout,))
+        else:
+            if mode == "prefill":
+                self.group = GroupWrites(tp, host, config.tp_timeout_s)
+            self.endpoint, _ = gather_endpoint(tp, self.transport.session, self.layout,
+                                               self.group.address if self.group else None)
         self._outbox: Callable[[str, object], None] | None = None
         self.sender: KVSender | None = None
         self.faults: FaultInjector | None = None  # tests only (attach_fault_injector)
         if mode == "prefill":
-            self.sender = KVSender(self.transport, self.layout, worker_id, scheduler.submit,
-                                   self.send)
+            self.sender = KVSender(self.transport, self.endpoint, worker_id, scheduler.submit,
+                                   self.send, self.group)
             self.side = PrefillSide(scheduler, self.sender, self.send, worker_id,
                                     config.disaggregation_bootstrap_timeout_s)
         elif mode == "decode":
-            self.side = DecodeSide(scheduler, self.transport.session, self.layout, self.send,
-                                   worker_id, config.disaggregation_waiting_timeout_s)
-            # Peers write into this pool over the network; a write into never-touched
-            # (huge) pages waits on the page faults, ~10x slower than into faulted ones
-            # (measured: 0.16 vs 1.0-1.5 GB/s). Fault the pool in, in slot order, in the
-            # background (contents unchanged, so it may overlap the first transfers).
-            threading.Thread(target=self._populate, args=(kv_pool,), daemon=True,
+            self.side = DecodeSide(scheduler, self.endpoint, self.send, worker_id,
+                                   config.disaggregation_waiting_timeout_s)
+            threading.Thread(target=fault_in_pool, args=(runner.kv_pool,), daemon=True,
                              name="radixray-kv-populate").start()
         else:
             raise ValueError(f"disaggregation_mode must be 'prefill' or 'decode', got {mode!r}")
         scheduler.attach_pd(self.side)
-        logger.info("%s worker %s: KV transfer endpoint %s (%s), %d layers x %d bytes per slot",
-                    mode, worker_id, self.transport.session, self.transport.protocol,
-                    self.layout.num_layers, self.layout.slot_bytes)
-
-    @staticmethod
-    def _populate(kv_pool) -> None:
-        from radixray.engine.mem_cache.hugepages import populate_rows
-        seconds = populate_rows(kv_pool.k_buffers + kv_pool.v_buffers, 4096)
-        if seconds:
-            logger.info("decode KV pool faulted in (%.1f GB) in %.1f s",
-                        kv_pool.bytes_per_token * (kv_pool.size + 1) / 1e9, seconds)
-        else:
-            logger.info("decode KV pool left to fault on first write (no MADV_POPULATE_WRITE)")
+        logger.info("%s worker %s: KV transfer endpoint %s (%s), %d layers x %d bytes per slot"
+                    "%s", mode, worker_id, self.transport.session, self.transport.protocol,
+                    self.layout.num_layers, self.layout.slot_bytes,
+                    f", {tp.size} ranks: {list(self.endpoint.sessions)}" if tp.size > 1 else "")
 
     @property
     def session(self) -> str:
@@ -108,21 +110,19 @@ class PDLink:
         """A message from the pair's other worker (any thread)."""
         self.scheduler.submit(message)
 
-    def probe(self, session: str, layout: KVLayout) -> float:
-        """Write this pool's padding slot 0 into the peer's slot 0, every layer (a slot never
-        read unmasked): proves transport, registration and layout. Returns the seconds.
-        ValueError on a decode side (only the prefill side writes)."""
+    def probe(self, endpoint: KVEndpoint) -> float:
+        """Write every rank's padding slot 0 into the peer's slot 0, every layer and rank
+        (a slot never read unmasked): proves transport, registration and layout. Returns
+        the seconds. ValueError on a decode side (only the prefill side writes)."""
         if self.mode != "prefill":
             raise ValueError(f"worker {self.worker_id} is {self.mode}, not prefill")
         import torch
-
-        from radixray.engine.disaggregation.layout import copy_spans
-        error = self.layout.mismatch(layout)
+        error = self.endpoint.mismatch(endpoint)
         if error is not None:
             raise ValueError(error)
         zero = torch.zeros(1, dtype=torch.int64)
         t0 = time.perf_counter()
-        self.transport.write(session, *copy_spans(self.layout, zero, layout, zero))
+        self.sender.write(endpoint, zero, zero)
         return time.perf_counter() - t0
 
     def attach_fault_injector(self, faults: FaultInjector | None) -> None:

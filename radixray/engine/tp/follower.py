@@ -21,9 +21,15 @@ def run_follower(config, rank: int, init_method: str) -> None:
         config = dataclasses.replace(config, device=f"cuda:{rank}")
     runner = ModelRunner(config, resolve_model(config.model), tp_rank=rank,
                          tp_init_method=init_method)
+    kv = None
     try:
-        follow(runner, runner.tp)
+        if config.disaggregation_mode is not None:  # the driver's PDLink gathers with it
+            from radixray.engine.disaggregation.tp_group import FollowerKV
+            kv = FollowerKV(runner, config, runner.tp)
+        follow(runner, runner.tp, kv)
     finally:
+        if kv is not None:
+            kv.close()
         runner.tp.leave()
 
 

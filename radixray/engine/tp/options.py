@@ -3,7 +3,7 @@
 A refused combination raises ValueError naming both options before any rank joins a group.
 What is refused today is what the followers cannot mirror yet (they run forward passes
 only, weight-update sessions and memory releases): state the driver changes outside a
-forward pass (a KV transfer, the host tier) and expert placement (expert parallelism, EPLB).
+forward pass (the host tier) and expert placement (expert parallelism, EPLB).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ _NOT_YET = {
     "ep_size": (1, "expert parallelism inside a tensor-parallel group"),
     "enable_eplb": (False, "expert rebalancing (the followers would keep the old placement)"),
     "ep_num_redundant_experts": (0, "redundant expert slots"),
-    "disaggregation_mode": (None, "prefill-decode disaggregation (KV transfer into every rank)"),
     "enable_hierarchical_cache": (False, "the hierarchical cache (host-tier copies on every "
                                          "rank)"),
     "enable_return_routed_experts": (False, "routed experts (MoE models)"),

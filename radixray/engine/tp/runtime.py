@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixray.engine.disaggregation.tp_group import KVWriteOp
 from radixray.engine.executor.forward_batch import ForwardBatch, ForwardMode
 from radixray.engine.executor.prompt_logprobs import projection_chunks
 from radixray.engine.mem_cache.memory_saver import MemoryOp
@@ -115,10 +116,11 @@ def mirror_memory_op(memory: StorageSaver, op: MemoryOp) -> None:
         raise ValueError(f"unknown memory op {op.kind!r}")
 
 
-def follow(runner, tp) -> None:
+def follow(runner, tp, kv=None) -> None:
     """A follower rank's life: run every forward pass the driver sends, and mirror its
     weight-update sessions (engine/tp/weights.py) and memory releases, until it stops (or
-    the channel breaks: the driver died)."""
+    the channel breaks: the driver died). ``kv`` (a prefill-decode worker's
+    :class:`~radixray.engine.disaggregation.tp_group.FollowerKV`) takes its KV writes."""
     table = runner.req_pool.table
     weights = FollowerWeights(runner.model)
     memory = StorageSaver(runner)
@@ -132,6 +134,9 @@ def follow(runner, tp) -> None:
             continue
         if isinstance(message, MemoryOp):
             mirror_memory_op(memory, message)
+            continue
+        if isinstance(message, KVWriteOp):
+            kv.put(message)
             continue
         apply_to_table(message, table)
         batch = message.batch()
