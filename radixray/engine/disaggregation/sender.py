@@ -147,14 +147,11 @@ class KVSender:
         ticket = None if self.group is None else self.group.dispatch(dest, src_slots, dst_slots)
         try:
             written = write_share(self.transport, self.endpoint, 0, src_slots, dest, dst_slots)
-        finally:
-            if ticket is not None:
-                error, theirs = self.group.wait(ticket)
-        if ticket is not None:
-            if error is not None:
-                raise RuntimeError(error)
-            written += theirs
-        return written
+        finally:  # the followers' writes end before this job does, whatever happened here
+            error, theirs = (None, 0) if ticket is None else self.group.wait(ticket)
+        if error is not None:
+            raise RuntimeError(error)
+        return written + theirs
 
     def _end(self, room: int, arrival: KVArrival | None, reason: str | None,
              decode_worker: str | None) -> None:

@@ -5,7 +5,6 @@ pool, create its side (:class:`PrefillSide` with a :class:`KVSender`, or
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 
@@ -14,19 +13,12 @@ from radixray.engine.disaggregation.messages import (
     CancelRoom,
     KVDestination,
     KVEndpoint,
-    KVLayout,
     PDBootstrap,
     PeerGone,
 )
 from radixray.engine.disaggregation.prefill import PrefillSide
 from radixray.engine.disaggregation.sender import KVSender
-from radixray.engine.disaggregation.tp_group import (
-    GroupWrites,
-    fault_in_pool,
-    gather_endpoint,
-    register_pool,
-    runner_layout,
-)
+from radixray.engine.disaggregation.tp_group import GroupWrites, open_rank_kv
 from radixray.engine.faults import FaultInjector
 
 logger = logging.getLogger("radixray.pd")
@@ -48,22 +40,16 @@ class PDLink:
     """
 
     def __init__(self, mode: str, worker_id: str, scheduler, runner, config, transport=None):
-        from radixray.engine.disaggregation.mooncake import MooncakeTransport
+        if mode not in ("prefill", "decode"):
+            raise ValueError(f"disaggregation_mode must be 'prefill' or 'decode', got {mode!r}")
         self.mode, self.worker_id, self.scheduler = mode, worker_id, scheduler
-        host = config.disaggregation_transfer_host or "127.0.0.1"
-        self.transport = transport or MooncakeTransport(host,
-                                                        config.disaggregation_transfer_protocol)
-        register_pool(self.transport, runner.kv_pool)
-        self.layout: KVLayout = runner_layout(runner)
         tp = runner.tp
         self.group = None  # a tensor-parallel prefill worker's followers write their shares
-        if tp.size == 1:
-            self.endpoint = KVEndpoint((self.transport.session,), (self.layout,))
-        else:
-            if mode == "prefill":
-                self.group = GroupWrites(tp, host, config.tp_timeout_s)
-            self.endpoint, _ = gather_endpoint(tp, self.transport.session, self.layout,
-                                               self.group.address if self.group else None)
+        if mode == "prefill" and tp.size > 1:
+            self.group = GroupWrites(tp, config.disaggregation_transfer_host or "127.0.0.1",
+                                     config.tp_timeout_s)
+        kv = open_rank_kv(runner, config, transport, self.group and self.group.address)
+        self.transport, self.layout, self.endpoint = kv.transport, kv.layout, kv.endpoint
         self._outbox: Callable[[str, object], None] | None = None
         self.sender: KVSender | None = None
         self.faults: FaultInjector | None = None  # tests only (attach_fault_injector)
@@ -72,13 +58,9 @@ class PDLink:
                                    self.send, self.group)
             self.side = PrefillSide(scheduler, self.sender, self.send, worker_id,
                                     config.disaggregation_bootstrap_timeout_s)
-        elif mode == "decode":
+        else:
             self.side = DecodeSide(scheduler, self.endpoint, self.send, worker_id,
                                    config.disaggregation_waiting_timeout_s)
-            threading.Thread(target=fault_in_pool, args=(runner.kv_pool,), daemon=True,
-                             name="radixray-kv-populate").start()
-        else:
-            raise ValueError(f"disaggregation_mode must be 'prefill' or 'decode', got {mode!r}")
         scheduler.attach_pd(self.side)
         logger.info("%s worker %s: KV transfer endpoint %s (%s), %d layers x %d bytes per slot"
                     "%s", mode, worker_id, self.transport.session, self.transport.protocol,

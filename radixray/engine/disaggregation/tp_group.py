@@ -2,7 +2,7 @@
 registered with a transport of its own, and every rank writes its own KV heads.
 
 At start-up the ranks of a prefill or decode worker exchange their transfer sessions and
-pool layouts (an all-gather on the step channel), so the driver can describe the whole
+pool layouts (an all-gather on the step channel, :func:`open_rank_kv`), so the driver can describe the whole
 group as one :class:`~radixray.engine.disaggregation.messages.KVEndpoint`: a decode
 driver sends it in its ``KVDestination``, a prefill driver writes into it.
 
@@ -75,15 +75,42 @@ def fault_in_pool(kv_pool) -> None:
         logger.info("decode KV pool left to fault on first write (no MADV_POPULATE_WRITE)")
 
 
-def gather_endpoint(tp, session: str, layout: KVLayout, store_address: str | None = None
-                    ) -> tuple[KVEndpoint, str | None]:
-    """Every rank calls this once, at start-up: the group's endpoint, and the driver's
-    ``store_address`` (a prefill driver's TCPStore; None for a decode worker)."""
-    import torch.distributed as dist
-    entries: list = [None] * tp.size
-    dist.all_gather_object(entries, (session, layout, store_address), group=tp.channel_group)
-    return (KVEndpoint(tuple(e[0] for e in entries), tuple(e[1] for e in entries)),
-            entries[0][2])
+@dataclass
+class RankKV:
+    """One rank's part of a prefill or decode worker: its transport (its pool registered),
+    its pool's layout, the whole worker's endpoint, and the prefill driver's store address
+    (None for a decode worker or a single rank)."""
+
+    transport: object
+    layout: KVLayout
+    endpoint: KVEndpoint
+    store_address: str | None
+
+
+def open_rank_kv(runner, config, transport=None, store_address: str | None = None) -> RankKV:
+    """Every rank of a prefill or decode worker calls this once, at start-up: a transport on
+    ``disaggregation_transfer_host`` (unless given) with the rank's pool registered, then,
+    with tensor parallelism, an all-gather on the step channel of every rank's session and
+    layout (the driver passes its ``store_address``, the followers receive it). A decode
+    pool is faulted in, in the background."""
+    from radixray.engine.disaggregation.mooncake import MooncakeTransport
+    transport = transport or MooncakeTransport(config.disaggregation_transfer_host
+                                               or "127.0.0.1",
+                                               config.disaggregation_transfer_protocol)
+    register_pool(transport, runner.kv_pool)
+    layout, tp = runner_layout(runner), runner.tp
+    endpoint = KVEndpoint((transport.session,), (layout,))
+    if tp.size > 1:
+        import torch.distributed as dist
+        entries: list = [None] * tp.size
+        dist.all_gather_object(entries, (transport.session, layout, store_address),
+                               group=tp.channel_group)
+        endpoint = KVEndpoint(tuple(e[0] for e in entries), tuple(e[1] for e in entries))
+        store_address = entries[0][2]
+    if config.disaggregation_mode == "decode":
+        threading.Thread(target=fault_in_pool, args=(runner.kv_pool,), daemon=True,
+                         name="radixray-kv-populate").start()
+    return RankKV(transport, layout, endpoint, store_address)
 
 
 def _store(host: str, port: int, master: bool, timeout_s: float):
@@ -132,26 +159,18 @@ class FollowerKV:
     group's endpoint, and a thread writing the :class:`KVWriteOp` s the driver sends."""
 
     def __init__(self, runner, config, tp):
-        from radixray.engine.disaggregation.mooncake import MooncakeTransport
         self.rank = tp.rank
-        self.transport = MooncakeTransport(config.disaggregation_transfer_host or "127.0.0.1",
-                                           config.disaggregation_transfer_protocol)
-        register_pool(self.transport, runner.kv_pool)
-        layout = runner_layout(runner)
-        self.endpoint, store_address = gather_endpoint(tp, self.transport.session, layout)
-        self.store = None
-        if store_address is not None:  # a prefill worker: report each job there
-            host, port = store_address.rsplit(":", 1)
+        kv = open_rank_kv(runner, config)
+        self.transport, self.endpoint, self.store = kv.transport, kv.endpoint, None
+        if kv.store_address is not None:  # a prefill worker: report each job there
+            host, port = kv.store_address.rsplit(":", 1)
             self.store = _store(host, int(port), False, config.tp_timeout_s)
-        if config.disaggregation_mode == "decode":
-            threading.Thread(target=fault_in_pool, args=(runner.kv_pool,), daemon=True,
-                             name="radixray-kv-populate").start()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name="radixray-kv-follower")
         self._thread.start()
         logger.info("tensor-parallel rank %d: KV transfer endpoint %s, KV heads %s",
-                    self.rank, self.transport.session, list(layout.heads))
+                    self.rank, self.transport.session, list(kv.layout.heads))
 
     def put(self, op: KVWriteOp) -> None:
         self._queue.put(op)
