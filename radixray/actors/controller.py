@@ -96,8 +96,8 @@ class Controller(FleetOperations):
         saved = fleet_checkpoint.load(self.cfg.controller_name())
         if saved is not None:
             self._restore(saved)
-        bundles = [self.cfg.worker_bundle(role) for role in self.cfg.slot_roles()]
-        if any(bundles) and self.placement_group is None:
+        bundles = self.cfg.worker_bundles()
+        if bundles and self.placement_group is None:
             from ray.util import placement_group
             self.placement_group = placement_group(bundles,
                                                    strategy=fleet.placement_strategy,
@@ -218,24 +218,35 @@ class Controller(FleetOperations):
         """``tcp://ip:port`` free on the node of ``rec``'s bundle (a task placed there)."""
         import ray
         options = {"num_cpus": 0}
-        if self.placement_group is not None:
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                self.placement_group, placement_group_bundle_index=self._first_bundle + rec.index)
+        options.update(self._in_bundle(self._bundles(rec)[0]))
         return await ray.remote(_free_address).options(**options).remote()
+
+    def _bundles(self, rec: WorkerRecord) -> list[int]:
+        """The placement bundles of ``rec``'s slot: its worker's, then its TP followers'."""
+        return [self._first_bundle + i for i in self.cfg.slot_bundles()[rec.index]]
+
+    def _in_bundle(self, index: int) -> dict:
+        """Actor or task options that place it in bundle ``index`` ({} without a group)."""
+        if self.placement_group is None:
+            return {}
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+            self.placement_group, placement_group_bundle_index=index)}
 
     def _launch(self, rec: WorkerRecord, ep: dict | None = None) -> None:
         """Create the worker actor for ``rec`` in its bundle (returns at once); ``ep``: its
         rank and rendezvous in an expert-parallel group."""
-        from radixray.actors.engine_worker import worker_actor_class
-        s = self.cfg.server
-        cpus, gpus = self.cfg.worker_resources(rec.role)
-        options = dict(num_cpus=cpus, num_gpus=gpus, max_concurrency=1000)
-        if self.placement_group is not None:
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                self.placement_group, placement_group_bundle_index=self._first_bundle + rec.index)
         import ray
+
+        from radixray.actors.engine_worker import worker_actor_class
+        from radixray.actors.tp_ranks import TPPlacement
+        s = self.cfg.server
+        cpus, gpus = self.cfg.rank_resources()
+        bundles = self._bundles(rec)
+        options = dict(num_cpus=cpus, num_gpus=gpus, max_concurrency=1000,
+                       **self._in_bundle(bundles[0]))
+        followers = TPPlacement(self.placement_group,
+                                tuple(bundles[1:]) if self.placement_group else (), cpus, gpus)
         rec.handle = worker_actor_class().options(
             name=self.cfg.worker_name(rec.worker_id), namespace=self.cfg.namespace,
             lifetime="detached", **options).remote(
@@ -245,7 +256,8 @@ class Controller(FleetOperations):
             fleet=ray.get_runtime_context().current_actor,
             compute_nice_offset=s.pd_compute_nice_offset, slo=(s.slo_ttft_s, s.slo_tpot_s),
             max_queued_requests=s.max_queued_requests, retry_after_s=s.queue_full_retry_after_s,
-            generation=rec.generation, owner=self._owner_name())
+            generation=rec.generation, owner=self._owner_name(),
+            tp_ranks=followers if len(bundles) > 1 else None)
         rec.set_state("starting")
         rec.weight_version = 0
         rec.started_at = time.time()
@@ -267,7 +279,7 @@ class Controller(FleetOperations):
             return
         rec.kv_session, rec.kv_endpoint = info.kv_session, info.kv_endpoint
         rec.generation, rec.started_at, rec.pid = info.generation, info.started_at, info.pid
-        rec.node_ip = info.node_ip
+        rec.node_ip, rec.tp_ranks = info.node_ip, info.tp_ranks
         rec.weight_version = info.weight_version
         behind = None
         if info.weight_version != self.weights.version:

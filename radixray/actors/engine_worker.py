@@ -16,6 +16,7 @@ starts or stops draining).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import os
@@ -24,9 +25,11 @@ from collections.abc import Sequence
 
 from radixray.actors.lifecycle import start_owner_watch
 from radixray.actors.niceness import set_niceness
+from radixray.actors.tp_ranks import TPPlacement, TPRanks
 from radixray.cluster.errors import WorkerDraining, WorkerQueueFull, WorkerUnavailable
 from radixray.cluster.messages import ChannelState, SubmitRequest, WorkerInfo, WorkerLoad
 from radixray.cluster.metrics import WorkerMetrics, worker_load
+from radixray.cluster.node_address import node_ip, node_local_options
 from radixray.cluster.shared_weights import SharedWeightsHandle, on_this_node, read_shared
 from radixray.cluster.tensor_payload import from_payload, is_payload
 from radixray.engine.control import EngineSnapshot
@@ -54,7 +57,8 @@ class EngineWorker:
                  log_level: str = "INFO", cores_shared_by: int = 1, niceness: int | None = 0,
                  fleet=None, compute_nice_offset: int = 0, slo: tuple[float, float] = (2.0, 0.1),
                  max_queued_requests: int | None = None, retry_after_s: int = 1,
-                 generation: int = 0, owner: tuple[str, str] | None = None):
+                 generation: int = 0, owner: tuple[str, str] | None = None,
+                 tp_ranks: TPPlacement | None = None):
         """``cores_shared_by``: how many workers share this node's cores; without an explicit
         ``num_threads`` each gets an equal share (at least one thread). ``niceness``: what
         this process's threads are set to before the engine starts (see actors/niceness.py;
@@ -68,7 +72,8 @@ class EngineWorker:
         ``generation``: which incarnation of its slot this actor is (reported by
         :meth:`info`, so a restarted controller knows it). ``owner``: the controller's
         (name, namespace); the worker stops itself once it is gone for good
-        (actors/lifecycle.py)."""
+        (actors/lifecycle.py). ``tp_ranks``: with ``tp_size`` > 1, where the follower ranks'
+        actors go (actors/tp_ranks.py); None starts them as processes beside this one."""
         logging.basicConfig(level=log_level.upper(), format="[%(asctime)s] %(message)s",
                             datefmt="%Y-%m-%d %H:%M:%S")
         constructed = time.perf_counter()
@@ -78,19 +83,22 @@ class EngineWorker:
         if not options.get("num_threads"):
             # Ray pins OMP_NUM_THREADS to the actor's CPU count; the forward pass wants the
             # cores, split evenly between the workers placed on this node and the ranks of
-            # each (a tensor-parallel worker's followers are processes beside it).
+            # each (a tensor-parallel worker's ranks share the node too, unless spread).
             ranks = max(1, cores_shared_by) * options.get("tp_size", 1)
             options["num_threads"] = max(1, len(os.sched_getaffinity(0)) // ranks)
-        # Endpoints peers reach (the KV transfer engine, the HiCache store's segment) are on
-        # this worker's node, whichever node that is, unless configured.
-        if options.get("disaggregation_mode") and not options.get("disaggregation_transfer_host"):
-            options["disaggregation_transfer_host"] = _node_ip()
-        if options.get("hicache_storage_backend") == "mooncake":
-            os.environ.setdefault("MOONCAKE_LOCAL_HOSTNAME", _node_ip())
+        self._tp_ranks = None
+        if tp_ranks is not None and options.get("tp_size", 1) > 1:
+            self._tp_ranks = TPRanks(tp_ranks, options, worker_id, log_level)
+            options["tp_init_method"] = self._tp_ranks.init_method
         self.worker_id = worker_id
         self._warned_remote_shared = False  # logged once: weights via the object store
         self.generation = generation
-        self.engine = Engine(worker_id=worker_id, **options)
+        try:
+            self.engine = Engine(worker_id=worker_id, **node_local_options(options))
+        except BaseException:
+            if self._tp_ranks is not None:
+                self._tp_ranks.stop(wait_s=0)
+            raise
         self.role = options.get("disaggregation_mode") or "unified"
         self._outbox = None
         paired = self.role != "unified"
@@ -232,7 +240,14 @@ class EngineWorker:
                           limits.vocab_size, limits.max_total_tokens, self.draining, self.role,
                           endpoint.session if endpoint else None, endpoint, self.generation,
                           self.started_at, self.engine.get_weight_version(), os.getpid(),
-                          _node_ip())
+                          node_ip(), await self._tp_places())
+
+    async def _tp_places(self) -> list[dict]:
+        """Every rank's node address and process id (one entry, rank 0, without TP)."""
+        ranks = [{"rank": 0, "node_ip": node_ip(), "pid": os.getpid()}]
+        if self._tp_ranks is not None:
+            ranks += await asyncio.to_thread(self._tp_ranks.where)
+        return ranks
 
     # ---- prefill-decode disaggregation (engine/disaggregation/, actors/pd_outbox.py) -----
     async def pd_deliver(self, message) -> None:
@@ -269,7 +284,11 @@ class EngineWorker:
         """Liveness of the scheduler, not only of this actor: whether its thread runs and the
         engine serves. Answered without waiting for a step, so a long forward pass does not
         make a healthy worker look dead."""
-        return self.engine.health()
+        health = self.engine.health()
+        lost = self._tp_ranks.dead() if self._tp_ranks is not None else None
+        if lost and health.failed is None:
+            return dataclasses.replace(health, failed=lost)
+        return health
 
     async def wait_until_failed(self) -> str:
         """Return (with the reason) once the engine fails; the controller keeps one call
@@ -422,6 +441,8 @@ class EngineWorker:
 
     async def shutdown(self) -> None:
         self.engine.shutdown()
+        if self._tp_ranks is not None:
+            await asyncio.to_thread(self._tp_ranks.stop)
         if self._outbox is not None:
             self._outbox.close()
 
@@ -430,9 +451,3 @@ def worker_actor_class():
     """The Ray actor class (created lazily so importing this module needs no Ray)."""
     import ray
     return ray.remote(EngineWorker)
-
-
-def _node_ip() -> str | None:
-    """The address of the Ray node this process runs on (None outside Ray)."""
-    import ray
-    return ray.util.get_node_ip_address() if ray.is_initialized() else None

@@ -332,17 +332,32 @@ class ServeConfig(BaseModel):
             opts["disaggregation_mode"] = role
         return opts
 
-    def worker_resources(self, role: str = "unified") -> tuple[float, float]:
-        """(CPUs, GPUs) one engine worker actor of ``role`` reserves: a tensor-parallel
-        worker's follower ranks are processes it starts beside it, so it reserves tp_size
-        times as much (prefill and decode workers may differ in tp_size)."""
-        s, tp = self.server, self.engine_options_for(role)["tp_size"]
-        return s.worker_num_cpus * tp, s.worker_num_gpus * tp
+    def rank_resources(self) -> tuple[float, float]:
+        """(CPUs, GPUs) each rank actor reserves: a worker actor, and each follower rank
+        actor of a tensor-parallel worker (actors/tp_ranks.py)."""
+        return self.server.worker_num_cpus, self.server.worker_num_gpus
 
-    def worker_bundle(self, role: str = "unified") -> dict:
-        """The resources one ``role`` worker's placement bundle asks for ({} when none)."""
-        cpus, gpus = self.worker_resources(role)
-        return {k: v for k, v in (("CPU", cpus), ("GPU", gpus)) if v > 0}
+    def rank_bundle(self) -> dict:
+        """The resources one rank's placement bundle asks for ({} when none)."""
+        return {k: v for k, v in zip(("CPU", "GPU"), self.rank_resources()) if v > 0}
+
+    def slot_bundles(self) -> list[list[int]]:
+        """Each worker slot's bundle indices in the fleet's placement group, in slot order:
+        ``tp_size`` of its role consecutive bundles (the worker actor in the first, its
+        follower ranks in the others; prefill and decode may differ in tp_size)."""
+        out, at = [], 0
+        for role in self.slot_roles():
+            tp = self.engine_options_for(role)["tp_size"]
+            out.append(list(range(at, at + tp)))
+            at += tp
+        return out
+
+    def worker_bundles(self) -> list[dict]:
+        """The fleet placement group's bundles (empty when workers reserve nothing)."""
+        bundle = self.rank_bundle()
+        if not bundle:
+            return []
+        return [dict(bundle) for slot in self.slot_bundles() for _ in slot]
 
     def fleet_key(self) -> str:
         """Short hash of everything that shapes the fleet (engine, fleet, router, worker

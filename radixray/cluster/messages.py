@@ -53,6 +53,7 @@ class WorkerInfo:
     weight_version: int | str = 0  # an int or a string label (engine/weights/version.py)
     pid: int = 0  # the actor's process
     node_ip: str | None = None  # the address of the Ray node it runs on
+    tp_ranks: list | None = None  # each rank's {"rank", "node_ip", "pid"} (rank 0: this actor)
 
 
 @dataclass(slots=True)

@@ -44,6 +44,7 @@ class WorkerRecord:
     kv_endpoint: object | None = None  # prefill/decode: every rank's session and pool layout
     pid: int | None = None  # the actor's process id (on its node)
     node_ip: str | None = None  # the address of the Ray node it runs on
+    tp_ranks: list | None = None  # each tensor-parallel rank's node address and process id
 
     def set_state(self, state: str) -> None:
         if state not in STATES:
@@ -59,7 +60,7 @@ class WorkerRecord:
                 "ready_at": self.ready_at, "last_ping_at": self.last_ping_at,
                 "healthy": self.healthy, "load": self.load.as_json() if self.load else {},
                 "error": self.error, "kv_session": self.kv_session, "pid": self.pid,
-                "node_ip": self.node_ip}
+                "node_ip": self.node_ip, "tp_ranks": self.tp_ranks}
 
 
 class Registry:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from radixray.cluster.node_address import node_ip
+
 _ALIGN = 64
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _MAPS: dict[str, tuple[int, mmap.mmap, torch.Tensor]] = {}  # path -> (inode, map, bytes view)
@@ -66,7 +68,7 @@ class SharedWeightsWriter:
         finally:
             os.close(fd)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.handle = SharedWeightsHandle(self.path, tuple(entries), offset, _node_ip())
+        self.handle = SharedWeightsHandle(self.path, tuple(entries), offset, node_ip())
         self._index = {e[0]: e for e in entries}
 
     def write(self, named: Iterable[tuple[str, torch.Tensor]] | dict) -> SharedWeightsHandle:
@@ -86,14 +88,9 @@ class SharedWeightsWriter:
             os.unlink(self.path)
 
 
-def _node_ip() -> str | None:
-    import ray
-    return ray.util.get_node_ip_address() if ray.is_initialized() else None
-
-
 def on_this_node(handle: SharedWeightsHandle) -> bool:
     """Whether this process can map ``handle``'s file (it is on the writer's node)."""
-    return handle.node_ip is None or handle.node_ip == _node_ip()
+    return handle.node_ip is None or handle.node_ip == node_ip()
 
 
 def _view(data: torch.Tensor, entry) -> torch.Tensor:

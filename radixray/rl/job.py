@@ -84,13 +84,13 @@ class Job:
                                             serve_cfg.fleet.owner_timeout_s / 4)
         source = resolve_model(cfg.model)
         device = serve_cfg.engine.device
-        worker_bundle = serve_cfg.worker_bundle() if self.owns_fleet else {}
+        worker_bundles = serve_cfg.worker_bundles() if self.owns_fleet else []
         self.placement = JobPlacement(
             cfg.placement, device, trainer_memory_bytes(source.path, cfg.kl_coef > 0,
                                                         cfg.deterministic),
-            worker_bundle, serve_cfg.fleet.workers, serve_cfg.fleet.placement_strategy)
+            worker_bundles, serve_cfg.fleet.placement_strategy)
         self.placement.ready()
-        if self.owns_fleet and worker_bundle:
+        if self.owns_fleet and worker_bundles:
             ray.get(self.controller.adopt_placement_group.remote(self.placement.group, 1))
         ray.get(self.controller.start.remote())
         self.router = find_router(serve_cfg)

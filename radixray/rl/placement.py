@@ -35,7 +35,7 @@ class JobPlacement:
     """The job's placement group and the trainer's options within it."""
 
     def __init__(self, placement: str, device: str, trainer_bytes: int,
-                 worker_bundle: dict | None, workers: int, strategy: str):
+                 worker_bundles: list[dict], strategy: str):
         from ray.util import placement_group
         if placement == "colocated":
             self.trainer_bundle = {"memory": trainer_bytes}
@@ -44,7 +44,7 @@ class JobPlacement:
             gpus = 0 if device == "cpu" else 1
             self.trainer_bundle = {"CPU": 1, **({"GPU": gpus} if gpus else {})}
             self.trainer_options = {"num_cpus": 1, "num_gpus": gpus}
-        self.worker_bundles = [dict(worker_bundle)] * workers if worker_bundle else []
+        self.worker_bundles = [dict(b) for b in worker_bundles]
         self.group = placement_group([self.trainer_bundle, *self.worker_bundles],
                                      strategy=strategy, name=f"grpo-{uuid.uuid4().hex[:8]}")
 

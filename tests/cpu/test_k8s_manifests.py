@@ -78,13 +78,15 @@ def test_every_manifest_pins_the_ray_version_of_pyproject():
 
 
 def test_the_gpu_tensor_parallel_service_gives_each_worker_a_pod_of_its_gpus():
-    """Each tensor-parallel worker's bundle (tp_size x worker_num_gpus GPUs, its ranks on one
-    node) fits one GPU pod exactly, and the config passes radixray's schema."""
+    """Each tensor-parallel worker's bundles (tp_size of them, worker_num_gpus GPUs each, one
+    per rank actor) fill one GPU pod exactly, so a PACK placement keeps a group's ranks on
+    one node; and the config passes radixray's schema."""
     doc = _docs(ROOT / "k8s" / "rayservice-gpu-tp.yaml")[0]
     app = yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"][0]
     cfg = ServeConfig.parse(app["args"])
     assert cfg.engine.tp_size > 1 and cfg.engine.device == "cuda"
-    cpus, gpus = cfg.worker_resources()
+    cpus, gpus = (cfg.engine.tp_size * x for x in cfg.rank_resources())
+    assert cfg.fleet.placement_strategy == "PACK"
     group = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     pod = group["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert float(group["rayStartParams"]["num-gpus"]) == float(pod["nvidia.com/gpu"]) == gpus

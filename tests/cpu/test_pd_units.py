@@ -182,5 +182,6 @@ def test_per_role_tp_size_flags_reach_each_roles_engine_and_resources():
     cfg = serve_cli.config_from_args(args)
     assert cfg.engine_options_for("prefill")["tp_size"] == 2
     assert cfg.engine_options_for("decode")["tp_size"] == 4
-    assert cfg.worker_resources("prefill")[0] == 2 * cfg.server.worker_num_cpus
-    assert cfg.worker_resources("decode")[0] == 4 * cfg.server.worker_num_cpus
+    # one bundle per rank: the prefill slot's two, then the decode slot's four
+    assert cfg.slot_bundles() == [[0, 1], [2, 3, 4, 5]]
+    assert cfg.worker_bundles() == [{"CPU": cfg.server.worker_num_cpus}] * 6

@@ -1,8 +1,8 @@
 """A tensor-parallel worker served on one node: ``engine.tp_size: 2`` makes the worker actor
-the driver rank and its follower a process beside it (the worker reserves two CPUs). The
-official openai client gets TP 1's greedy tokens; a killed follower fails the worker's
-steps until its engine gives up, and the controller restarts the worker with a new follower
-(the group restarts as a unit); serving resumes and no KV slot is lost."""
+the driver rank and its follower a rank actor in a placement bundle of its own (two bundles
+of one CPU). The official openai client gets TP 1's greedy tokens; a killed follower makes
+the worker report its engine failed, and the controller restarts the worker with a new
+follower (the group restarts as a unit); serving resumes and no KV slot is lost."""
 
 from __future__ import annotations
 
@@ -51,9 +51,11 @@ def _record(base: str) -> dict:
     return httpx.get(f"{base}/fleet", timeout=60).json()["workers"][0]
 
 
-def _followers(worker_pid: int) -> list[psutil.Process]:
-    return [p for p in psutil.Process(worker_pid).children(recursive=True)
-            if "radixray.engine.tp.follower" in " ".join(p.cmdline())]
+def _followers(rec: dict) -> list[psutil.Process]:
+    """The worker's follower rank actors' processes (all on this machine's one node)."""
+    assert [r["rank"] for r in rec["tp_ranks"]] == [0, 1] and rec["tp_ranks"][0]["pid"] == \
+        rec["pid"]
+    return [psutil.Process(r["pid"]) for r in rec["tp_ranks"][1:]]
 
 
 def test_served_tp2_gives_tp1_tokens(client, tiny_llama_dir):
@@ -65,8 +67,8 @@ def test_served_tp2_gives_tp1_tokens(client, tiny_llama_dir):
 
 def test_a_killed_follower_restarts_the_worker_as_a_unit(server, client):
     before = _record(server)
-    (follower,) = _followers(before["pid"])
-    follower.kill()  # SIGKILL; the worker is its parent (and reaps it)
+    (follower,) = _followers(before)
+    follower.kill()  # SIGKILL
     deadline = time.monotonic() + RESTART_DEADLINE_S
     texts = None
     while texts is None:  # requests fail until the controller replaced the worker
@@ -78,7 +80,8 @@ def test_a_killed_follower_restarts_the_worker_as_a_unit(server, client):
     rec = _record(server)
     assert rec["generation"] == before["generation"] + 1 and rec["state"] == "ready"
     assert rec["node_ip"] == before["node_ip"] == "127.0.0.1"  # the Ray node it runs on
-    assert len(_followers(rec["pid"])) == 1
+    (new,) = _followers(rec)
+    assert new.pid != follower.pid and new.is_running()
     assert len(texts) == len(PROMPTS)
     kv = httpx.get(f"{server}/debug/kv_conservation", timeout=60).json()["worker-0"]
     assert kv["running"] == 0 and kv["waiting"] == 0 and kv["free"] + kv["cached"] == kv["pool"]

@@ -3,7 +3,8 @@ two workers placed one per node by a STRICT_SPREAD placement group, each reporti
 node's address in /fleet, and the router spreading requests over both; then a
 prefill-decode pair split over the two nodes, whose KV crosses between the nodes'
 transfer engines (each listening on its own node's address), giving the tokens of one
-unified engine; an expert-parallel group with one rank per node; a GRPO trainer on the
+unified engine; an expert-parallel group and a tensor-parallel group with one rank per
+node; a GRPO trainer on the
 other node from its worker; and node 2 lost under load (every request ends, the worker
 moves to the head). Each test gets a cluster of its own."""
 
@@ -123,6 +124,29 @@ def test_an_expert_parallel_group_spans_both_nodes(cluster, tiny_qwen3_moe_dir):
         assert sorted(w["node_ip"] for w in workers) == [HEAD_IP, NODE2_IP]
         assert all(w["state"] == "ready" for w in workers)
         with Engine(model=tiny_qwen3_moe_dir, dtype="float32", max_total_tokens=4096) as eng:
+            want = [eng.generate(p, {"temperature": 0, "max_new_tokens": 8,
+                                     "ignore_eos": True})["text"] for p in PROMPTS[:4]]
+        assert [_greedy(base, p) for p in PROMPTS[:4]] == want
+    finally:
+        _shutdown()
+
+
+def test_a_tensor_parallel_group_spans_both_nodes(cluster, tiny_llama_dir):
+    """tp_size 2, STRICT_SPREAD: the worker actor (rank 0) in its bundle on one node, its
+    follower rank actor in the other bundle, on the other node; the collectives and the
+    step channel cross between the nodes' addresses. Greedy = one TP 1 engine."""
+    cfg = tiny_config(tiny_llama_dir, free_port())
+    cfg["engine"]["tp_size"] = 2
+    cfg["fleet"] = {"workers": 1}
+    base = _serve(cfg)
+    try:
+        (worker,) = _workers(base)
+        assert worker["state"] == "ready"
+        ranks = worker["tp_ranks"]
+        assert [r["rank"] for r in ranks] == [0, 1]
+        assert sorted(r["node_ip"] for r in ranks) == [HEAD_IP, NODE2_IP]
+        assert ranks[0]["node_ip"] == worker["node_ip"]
+        with Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=4096) as eng:
             want = [eng.generate(p, {"temperature": 0, "max_new_tokens": 8,
                                      "ignore_eos": True})["text"] for p in PROMPTS[:4]]
         assert [_greedy(base, p) for p in PROMPTS[:4]] == want

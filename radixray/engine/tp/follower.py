@@ -11,13 +11,14 @@ import json
 import logging
 
 
-def run_follower(config, rank: int, init_method: str) -> None:
+def run_follower(config, rank: int, init_method: str, own_device: bool = False) -> None:
     """A follower rank's whole life: join the group, build its model runner, follow the
-    driver's forward passes until it stops (or dies), leave."""
+    driver's forward passes until it stops (or dies), leave. ``own_device``: this process
+    sees only its own GPU (a Ray rank actor); otherwise it sees the group's, one per rank."""
     from radixray.engine.executor.model_runner import ModelRunner
     from radixray.engine.tp.runtime import follow
     from radixray.engine.weights.loader import resolve_model
-    if config.device == "cuda":  # the driver's process sees the group's GPUs: one per rank
+    if config.device == "cuda" and not own_device:
         config = dataclasses.replace(config, device=f"cuda:{rank}")
     runner = ModelRunner(config, resolve_model(config.model), tp_rank=rank,
                          tp_init_method=init_method)
