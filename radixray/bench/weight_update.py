@@ -16,6 +16,11 @@ update is timed too: ``pause`` (retract) + ``release`` (kv_cache and weights) an
 ``resume`` + ``continue``. Decode speed at batch 1 is measured before the first update
 and after the last one, so an update that slowed the engine would show.
 
+With ``--tp-size N`` the engine is tensor parallel (N ranks, one process each): the disk
+path reads the file on every rank, the tensor and distributed paths reach the driver once
+and the driver relays the full tensors to the followers (engine/tp/weights.py), so the
+relay's cost is the difference to ``--tp-size 1``.
+
 With ``--fleet N`` the same updates run through a local Ray fleet of N workers instead
 (the controller's ``update_weights``, all or none): ``tensor`` is a colocated trainer
 writing its tensors into a reused shared-memory file (timed as ``put``) that every worker
@@ -26,6 +31,7 @@ every worker reading the file; phases add the fleet's ``pause`` (retract) and ``
     radixray bench weight-update --repeats 5
     radixray bench weight-update --quantization w8a8_int8 --paths tensor
     radixray bench weight-update --fleet 1 --paths tensor,object-store,disk
+    radixray bench weight-update --tp-size 3 --repeats 3
 """
 
 from __future__ import annotations
@@ -112,10 +118,11 @@ def run(args) -> dict:
     from radixray.engine.weights.sync import WeightBroadcaster
     source = resolve_model(args.model)
     named = {name: t.clone() for name, t in source.weights()}
-    options = {"max_total_tokens": args.max_total_tokens}
+    options = {"max_total_tokens": args.max_total_tokens, "tp_size": args.tp_size}
     if args.quantization:
         options["quantization"] = args.quantization
     results: dict = {"model": args.model, "quantization": args.quantization,
+                     "tp_size": args.tp_size,
                      "cpu": torch.backends.cpu.get_cpu_capability(), "repeats": args.repeats,
                      "paths": {}}
     with Engine(model=args.model, **options) as engine, tempfile.TemporaryDirectory() as tmp:
@@ -169,12 +176,14 @@ def run_fleet(args) -> dict:
                        ("TOKENIZERS_PARALLELISM", "false")):
         os.environ.setdefault(key, value)
     named = {name: t.clone() for name, t in resolve_model(args.model).weights()}
-    engine = {"model": args.model, "max_total_tokens": args.max_total_tokens}
+    engine = {"model": args.model, "max_total_tokens": args.max_total_tokens,
+              "tp_size": args.tp_size}
     if args.quantization:
         engine["quantization"] = args.quantization
     cfg = ServeConfig.parse({"engine": engine, "fleet": {"workers": args.fleet},
                              "server": {"warmup": False}})
     results: dict = {"model": args.model, "quantization": args.quantization, "fleet": args.fleet,
+                     "tp_size": args.tp_size,
                      "cpu": torch.backends.cpu.get_cpu_capability(), "repeats": args.repeats,
                      "paths": {}}
     ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, namespace=cfg.namespace,
@@ -209,7 +218,8 @@ def run_fleet(args) -> dict:
         beats.set()
     finally:
         ray.shutdown()
-    print(f"\nfleet weight update ({args.fleet} worker(s)), {args.model}, quantization "
+    print(f"\nfleet weight update ({args.fleet} worker(s), TP {args.tp_size}), {args.model}, "
+          f"quantization "
           f"{args.quantization}, CPU {results['cpu']}, median of {args.repeats}")
     for kind, row in results["paths"].items():
         print(f"{kind:<8} total {row['total']:.3f} s: " + ", ".join(
@@ -221,7 +231,8 @@ def run_fleet(args) -> dict:
 def _print(results: dict) -> None:
     mib = next(iter(results["paths"].values()))["bytes"] / 2**20 if results["paths"] else 0
     print(f"\nweight update, {results['model']} ({mib:.0f} MiB staged), quantization "
-          f"{results['quantization']}, CPU {results['cpu']}, median of {results['repeats']}")
+          f"{results['quantization']}, TP {results.get('tp_size', 1)}, CPU {results['cpu']}, "
+          f"median of {results['repeats']}")
     print(f"{'path':<12}{'total s':>9}{'transfer':>10}{'load':>8}{'commit':>8}{'GB/s':>7}")
     for kind, row in results["paths"].items():
         rate = row["bytes"] / row["total"] / 1e9
@@ -236,7 +247,7 @@ def _print(results: dict) -> None:
 
 def add_parser(bench_subparsers) -> None:
     p = bench_subparsers.add_parser("weight-update", help="weight update time per path and phase")
-    add_engine_arguments(p, ("model", "quantization", "max_total_tokens"),
+    add_engine_arguments(p, ("model", "quantization", "max_total_tokens", "tp_size"),
                          max_total_tokens=8192)
     p.add_argument("--paths", default=",".join(PATHS),
                    type=lambda s: [x for x in s.split(",") if x])

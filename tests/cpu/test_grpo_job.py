@@ -146,7 +146,7 @@ def test_grpo_learns_a_toy_task_with_group_affinity(ray_cluster, tiny_llama_dir,
 
 @pytest.mark.slow
 def test_a_tensor_parallel_fleet_trains(ray_cluster, tiny_llama_dir, tmp_path):
-    """One worker at tp_size 2 (its follower a process beside it): every step syncs the
+    """One worker at tp_size 2 (its follower a rank actor of its own): every step syncs the
     trainer's weights into both ranks (the driver relays them) and releases and resumes both
     ranks' memory; the rollout logprobs stay within fp32 noise of the trainer's (the
     all-reduce sums partial products in another order)."""

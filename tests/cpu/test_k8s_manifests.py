@@ -67,6 +67,25 @@ def test_rayjob_runs_the_shipped_grpo_config():
     assert doc["spec"]["shutdownAfterJobFinishes"] is True
 
 
+def test_the_gpu_tensor_parallel_job_fits_its_gpu_pod():
+    """The GRPO RayJob on GPUs: its config passes radixray's schema, and the trainer's GPU
+    plus one GPU bundle per rank of every tensor-parallel worker fit the one GPU pod."""
+    doc = _docs(ROOT / "k8s" / "rayjob-grpo-gpu-tp.yaml")[0]
+    argv = shlex.split(doc["spec"]["entrypoint"])
+    cfg = GRPOConfig.load(str(ROOT / argv[argv.index("--config") + 1].replace(
+        "/opt/radixray/", "")))
+    serve = cfg.serve_config()
+    assert serve.engine.tp_size > 1 and serve.engine.device == "cuda"
+    assert cfg.placement == "separate" and serve.fleet.placement_strategy == "PACK"
+    bundles = serve.worker_bundles()
+    assert len(bundles) == serve.fleet.workers * serve.engine.tp_size
+    gpus = 1 + sum(b.get("GPU", 0) for b in bundles)  # the trainer's GPU, then the ranks'
+    (group,) = doc["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    pod = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert gpus <= float(group["rayStartParams"]["num-gpus"]) == float(pod["nvidia.com/gpu"])
+    assert float(pod["cpu"]) >= 1 + sum(b.get("CPU", 0) for b in bundles)
+
+
 def test_every_manifest_pins_the_ray_version_of_pyproject():
     import re
     pin = re.search(r'"ray\[serve\]==([\d.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)

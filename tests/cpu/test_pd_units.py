@@ -155,6 +155,23 @@ def test_kv_transfer_bench_writes_a_model_shaped_pool(tiny_llama_dir):
     assert out["spans"] == 2 * layers and out["kv_gb_s_median"] > 0 and out["kv_vs_loopback"] > 0
 
 
+def test_kv_transfer_bench_re_slices_into_tensor_parallel_decode_ranks(tiny_llama_dir):
+    """Into two decode ranks each holding half the KV heads: one span per slot, layer,
+    buffer and rank (more than one Mooncake batch takes: the transport splits them), and
+    every byte of the rows still sent once."""
+    from radixray.bench.kv_transfer import run
+    from radixray.engine.disaggregation.mooncake import MAX_SPANS_PER_BATCH
+    from radixray.engine.weights.loader import resolve_model
+    tokens = 400
+    whole = run(tiny_llama_dir, tokens=tokens, repeats=2, loopback_chunk=4 << 20)
+    split = run(tiny_llama_dir, tokens=tokens, repeats=2, loopback_chunk=4 << 20,
+                decode_tp_size=2)
+    layers = resolve_model(tiny_llama_dir).config.num_hidden_layers
+    assert split["decode_tp_size"] == 2 and split["bytes"] == whole["bytes"]
+    assert split["spans"] == tokens * 2 * layers * 2 and split["kv_gb_s_median"] > 0
+    assert split["spans"] / 2 > MAX_SPANS_PER_BATCH  # each rank's write spans batches
+
+
 def test_a_router_used_directly_starts_no_ray():
     """RouterActor outside an actor (as above) must not start a local Ray in this process
     (a later ray.init would then fail: 'called ray.init twice')."""

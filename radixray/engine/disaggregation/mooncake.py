@@ -14,6 +14,8 @@ import threading
 
 logger = logging.getLogger("radixray.pd")
 
+MAX_SPANS_PER_BATCH = 1024  # Mooncake refuses larger batches (returns -1)
+
 
 class TransferError(RuntimeError):
     """A KV write did not complete (peer gone, address not registered, network error)."""
@@ -49,15 +51,18 @@ class MooncakeTransport:
 
     def write(self, session: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
         """Write each ``lengths[i]`` bytes from local ``src[i]`` to ``dst[i]`` at peer
-        ``session``; returns when all landed, raises TransferError otherwise."""
-        if not src:
-            return
-        with self._lock:  # one batch at a time per engine (the sender thread and probes)
-            rc = self._engine.batch_transfer_sync_write(session, src, dst, lengths)
-        if rc != 0:
-            raise TransferError(f"KV write of {len(src)} span(s), {sum(lengths)} bytes to "
-                                f"{session} failed (Mooncake returned {rc}; is the peer "
-                                f"alive and are its buffers registered?)")
+        ``session``, in batches of up to MAX_SPANS_PER_BATCH spans; returns when all landed,
+        raises TransferError otherwise (spans of earlier batches may have landed)."""
+        for at in range(0, len(src), MAX_SPANS_PER_BATCH):
+            part = slice(at, at + MAX_SPANS_PER_BATCH)
+            with self._lock:  # one batch at a time per engine (the sender thread and probes)
+                rc = self._engine.batch_transfer_sync_write(session, src[part], dst[part],
+                                                            lengths[part])
+            if rc != 0:
+                raise TransferError(
+                    f"KV write of {len(src[part])} span(s), {sum(lengths[part])} bytes to "
+                    f"{session} failed (Mooncake returned {rc}; is the peer alive and are "
+                    f"its buffers registered?)")
 
     def close(self) -> None:
         for addr, _ in self._registered:

@@ -97,6 +97,8 @@ class ModelRunner:
         self.eplb = None  # the engine's ExpertBalancer (engine/ep/eplb.py) with enable_eplb
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        elif config.tp_size > 1:  # the group's ranks share this machine's cores
+            torch.set_num_threads(max(1, torch.get_num_threads() // config.tp_size))
         self.num_threads = torch.get_num_threads()  # the scheduler thread sets this count too
         hf = source.config
         self.hf_config = hf
