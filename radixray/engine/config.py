@@ -84,14 +84,20 @@ class EngineConfig:
         "content hash of the prefix's token pages (file: hicache_storage_dir)",
         choices=(None, "file", "mooncake"))
     hicache_storage_dir: str | None = option(None, "the file storage backend's folder")
-    attention_backend: str = option("auto", "auto, torch or cpu_paged (GPU backends register "
-                                    "their own names)")
+    attention_backend: str = option("auto", "auto, torch, cpu_paged, triton (CUDA; the CPU "
+                                    "only under TRITON_INTERPRET=1) or flashinfer (CUDA); auto: "
+                                    "triton on CUDA, cpu_paged on the CPU")
+    disable_cuda_graph: bool = option(False, "run every decode step eagerly on CUDA (no "
+                                      "captured graphs)")
+    cuda_graph_max_bs: int | None = option(None, "the largest decode batch run through a CUDA "
+                                           "graph (default: sized from the device's memory)",
+                                           ge=1)
     cpu_kernels: bool = option(True, "fused C++ kernels for fp32 on CPU (torch ops otherwise)")
     decode_log_interval: int = option(40, "decode steps between two decode log lines", ge=1)
     stream_interval: int = option(1, "decode steps between a request's streamed updates "
                                   "(the first token and the finish always go at once)", ge=1)
     num_threads: int | None = option(None, "torch intra-op threads on CPU (default: torch's, "
-                                     "or the worker's share of the cores)", ge=1)
+                                     "or the worker's or TP rank's share of the cores)", ge=1)
     random_seed: int = option(0, "seed of the engine's generators")
     deterministic: bool = option(False, "batch-invariant forward and sampling: a request gets "
                                  "the same tokens and logprobs whatever batch and prefill "

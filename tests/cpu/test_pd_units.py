@@ -156,9 +156,10 @@ def test_kv_transfer_bench_writes_a_model_shaped_pool(tiny_llama_dir):
 
 
 def test_kv_transfer_bench_re_slices_into_tensor_parallel_decode_ranks(tiny_llama_dir):
-    """Into two decode ranks each holding half the KV heads: one span per slot, layer,
-    buffer and rank (more than one Mooncake batch takes: the transport splits them), and
-    every byte of the rows still sent once."""
+    """Into two decode ranks each holding half the KV heads: staged, one span per layer,
+    buffer and rank (the slots are contiguous and fit one chunk), every byte of the rows
+    still sent once; without the stager one span per slot, layer, buffer and rank (more
+    than one Mooncake batch takes: the transport splits them)."""
     from radixray.bench.kv_transfer import run
     from radixray.engine.disaggregation.mooncake import MAX_SPANS_PER_BATCH
     from radixray.engine.weights.loader import resolve_model
@@ -167,9 +168,15 @@ def test_kv_transfer_bench_re_slices_into_tensor_parallel_decode_ranks(tiny_llam
     split = run(tiny_llama_dir, tokens=tokens, repeats=2, loopback_chunk=4 << 20,
                 decode_tp_size=2)
     layers = resolve_model(tiny_llama_dir).config.num_hidden_layers
+    assert not whole["staged"] and whole["spans"] == 2 * layers
     assert split["decode_tp_size"] == 2 and split["bytes"] == whole["bytes"]
-    assert split["spans"] == tokens * 2 * layers * 2 and split["kv_gb_s_median"] > 0
-    assert split["spans"] / 2 > MAX_SPANS_PER_BATCH  # each rank's write spans batches
+    assert split["staged"] and split["spans"] == 2 * layers * 2 and split["kv_gb_s_median"] > 0
+    assert split["unstaged_spans"] == tokens * 2 * layers * 2
+    plain = run(tiny_llama_dir, tokens=tokens, repeats=1, loopback_chunk=4 << 20,
+                decode_tp_size=2, staging=False)
+    assert not plain["staged"] and plain["bytes"] == whole["bytes"]
+    assert plain["spans"] == tokens * 2 * layers * 2
+    assert plain["spans"] / 2 > MAX_SPANS_PER_BATCH  # each rank's write spans batches
 
 
 def test_a_router_used_directly_starts_no_ray():
@@ -202,3 +209,73 @@ def test_per_role_tp_size_flags_reach_each_roles_engine_and_resources():
     # one bundle per rank: the prefill slot's two, then the decode slot's four
     assert cfg.slot_bundles() == [[0, 1], [2, 3, 4, 5]]
     assert cfg.worker_bundles() == [{"CPU": cfg.server.worker_num_cpus}] * 6
+
+
+def _kv_pools(ranks: list[tuple[int, ...]], layers: int, slots: int, dim: int,
+              dtype: torch.dtype, transport, fill: bool):
+    """One pool per rank holding KV heads ``ranks[r]``, registered with ``transport``:
+    (per rank the ``(k_buffers, v_buffers)``, their endpoint on ``transport``)."""
+    from radixray.engine.disaggregation.layout import pool_layout
+    pools, layouts = [], []
+    for heads in ranks:
+        bufs = [torch.randn(slots, len(heads), dim).to(dtype) if fill
+                else torch.zeros(slots, len(heads), dim, dtype=dtype) for _ in range(2 * layers)]
+        for b in bufs:
+            transport.register(b.data_ptr(), b.numel() * b.element_size())
+        pools.append((bufs[:layers], bufs[layers:]))
+        layouts.append(pool_layout(bufs[:layers], bufs[layers:], heads))
+    return pools, KVEndpoint((transport.session,) * len(ranks), tuple(layouts))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("src_ranks, dst_ranks", [
+    ([(0, 1, 2, 3)], [(0,), (1,), (2,), (3,)]),  # TP 1 -> TP 4: a head of four, staged
+    ([(0, 1, 2, 3)], [(0, 1), (2, 3)]),  # TP 1 -> TP 2: two heads of four, staged
+    ([(0, 1), (2, 3)], [(0, 1, 2, 3)]),  # TP 2 -> TP 1: per-slot spans (no scatter)
+])
+def test_staged_re_sliced_writes_land_every_head_in_place(dtype, src_ranks, dst_ranks,
+                                                          monkeypatch):
+    """Real transports, non-contiguous slots on both sides, chunks of 3 slots gathered a
+    row or two at a time: each destination row holds exactly the source rows' heads it
+    should (bitwise), the slots not written stay zero, and one staging buffer is
+    registered, reused, then released."""
+    from radixray.engine.disaggregation import staging
+    from radixray.engine.disaggregation.mooncake import MooncakeTransport
+    from radixray.engine.disaggregation.sender import write_share
+    from radixray.engine.disaggregation.staging import SliceStager, stageable
+    monkeypatch.setattr(staging, "SERIAL_ELEMENTS", 64)  # 64 bytes: 1-4 rows per gather
+    layers, slots, dim = 3, 40, 8
+    src_slots = torch.tensor([3, 4, 5, 9, 2, 17, 18, 19, 20, 30, 31])
+    dst_slots = torch.tensor([1, 2, 7, 8, 9, 10, 11, 25, 26, 27, 39])
+    sender, receiver = MooncakeTransport(), MooncakeTransport()
+    try:
+        src_pools, src = _kv_pools(src_ranks, layers, slots, dim, dtype, sender, fill=True)
+        dst_pools, dst = _kv_pools(dst_ranks, layers, slots, dim, dtype, receiver, fill=False)
+        before = len(sender._registered)
+        staged = False
+        for rank, (k_bufs, v_bufs) in enumerate(src_pools):
+            stager = SliceStager(sender, k_bufs, v_bufs, max_bytes=4 << 10, chunk_slots=3)
+            want = src_slots.numel() * 2 * layers * src.layouts[rank].slot_bytes
+            written = write_share(sender, src, rank, src_slots, dst, dst_slots, stager)
+            staged |= stager.spans > 0
+            assert written == want  # every head of the rank's rows, written once
+            assert len(sender._registered) == before + (stager.spans > 0)
+            stager.close()
+            assert len(sender._registered) == before
+        assert staged == stageable(src.layouts[0], dst.layouts[0],
+                                   head_plan(src, 0, dst)[0][0]) == (len(src_ranks) == 1)
+        if staged:  # chunks of destination slots [1 2|7] [8 9 10] [11|25 26] [27|39]: 7 runs
+            assert stager.spans == 7 * 2 * layers * len(dst_ranks)
+        # the model's KV heads, whole: per layer and buffer [slots, heads, dim]
+        model = [torch.cat([pool[i // layers][i % layers] for pool in src_pools], dim=1)
+                 for i in range(2 * layers)]
+        untouched = torch.ones(slots, dtype=torch.bool)
+        untouched[dst_slots] = False
+        for (k_bufs, v_bufs), heads in zip(dst_pools, dst_ranks):
+            for i, buf in enumerate(k_bufs + v_bufs):
+                expected = model[i][src_slots][:, list(heads)]
+                assert torch.equal(buf[dst_slots], expected), (heads, i)
+                assert not buf[untouched].any()
+    finally:
+        sender.close()
+        receiver.close()

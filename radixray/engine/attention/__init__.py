@@ -24,23 +24,45 @@ __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "BatchInvariantAttention",
 
 PAGED_POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e5m2)  # what the C++ decode kernel reads
 
+
+
+def _triton(*args) -> AttentionBackend:
+    from radixray.engine.attention.triton_backend import TritonAttention
+    return TritonAttention(*args)
+
+
+def _flashinfer(*args) -> AttentionBackend:
+    from radixray.engine.attention.flashinfer_backend import FlashInferAttention
+    return FlashInferAttention(*args)
+
+
 ATTENTION_BACKENDS: dict[str, Callable[..., AttentionBackend]] = {
     "torch": TorchAttention,
     "cpu_paged": CpuPagedAttention,
     "cpu_batch_invariant": BatchInvariantAttention,
+    "triton": _triton,
+    "flashinfer": _flashinfer,
 }
-"""Name -> factory. A GPU backend registers a factory that imports its library lazily."""
+"""Name -> factory. A GPU backend's factory imports its module (and library) when called."""
 
 
 def create_attention_backend(name: str, req_to_token: torch.Tensor, kv_pool: KVPool,
                              scaling: float, compute_dtype: torch.dtype = torch.float32) -> AttentionBackend:
-    """Build the backend registered under ``name``; ``auto`` picks cpu_paged when its kernels load
-    (fp32 queries over a CPU pool of one of ``PAGED_POOL_DTYPES``), else torch."""
+    """Build the backend registered under ``name``. ``auto``: on CUDA, triton when it is
+    installed (else torch); on the CPU, cpu_paged when its kernels load (fp32 queries over a
+    pool of one of ``PAGED_POOL_DTYPES``), else torch."""
     if name == "auto":
-        from radixray.kernels.cpu_ops import load_extension
-        paged = (kv_pool.device.type == "cpu" and compute_dtype == torch.float32
-                 and kv_pool.dtype in PAGED_POOL_DTYPES)
-        name = "cpu_paged" if paged and load_extension() else "torch"
+        name = _auto(kv_pool, compute_dtype)
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {sorted(ATTENTION_BACKENDS)}, got {name!r}")
     return ATTENTION_BACKENDS[name](req_to_token, kv_pool, scaling)
+
+
+def _auto(kv_pool: KVPool, compute_dtype: torch.dtype) -> str:
+    if kv_pool.device.type == "cuda":
+        from radixray.engine.attention.triton_backend import triton_usable
+        return "triton" if triton_usable(kv_pool.device) is None else "torch"
+    from radixray.kernels.cpu_ops import load_extension
+    paged = (kv_pool.device.type == "cpu" and compute_dtype == torch.float32
+             and kv_pool.dtype in PAGED_POOL_DTYPES)
+    return "cpu_paged" if paged and load_extension() else "torch"

@@ -24,6 +24,9 @@ class AttentionBackend(abc.ABC):
     """
 
     name: str
+    # Decode CUDA graphs (engine/executor/cuda_graph.py): a backend that supports them keeps
+    # its decode metadata in static buffers (init_graph_buffers, prepare_graph).
+    supports_cuda_graph = False
 
     def __init__(self, req_to_token: torch.Tensor, kv_pool: KVPool, scaling: float):
         self.req_to_token = req_to_token

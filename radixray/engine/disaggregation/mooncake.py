@@ -49,6 +49,17 @@ class MooncakeTransport:
             raise RuntimeError(f"Mooncake register_memory({addr:#x}, {length}) failed with {rc}")
         self._registered.append((addr, length))
 
+    def unregister(self, addr: int) -> None:
+        """Stop exposing the region registered at ``addr`` (before it is freed); nothing
+        when it is not registered (any more: :meth:`close` unregisters everything)."""
+        with self._lock:  # not while a batch may read it
+            if not any(a == addr for a, _ in self._registered):
+                return
+            self._registered = [r for r in self._registered if r[0] != addr]
+            rc = self._engine.unregister_memory(addr)
+        if rc != 0:
+            raise RuntimeError(f"Mooncake unregister_memory({addr:#x}) failed with {rc}")
+
     def write(self, session: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
         """Write each ``lengths[i]`` bytes from local ``src[i]`` to ``dst[i]`` at peer
         ``session``, in batches of up to MAX_SPANS_PER_BATCH spans; returns when all landed,

@@ -18,27 +18,40 @@ from dataclasses import dataclass
 
 import torch
 
-from radixray.engine.disaggregation.layout import rank_spans
+from radixray.engine.disaggregation.layout import copy_spans, head_plan
 from radixray.engine.disaggregation.messages import (
     KVArrival,
     KVDestination,
     KVEndpoint,
     TransferOutcome,
 )
+from radixray.engine.disaggregation.staging import SliceStager, stageable
 from radixray.engine.faults import FaultInjector
 
 logger = logging.getLogger("radixray.pd")
 
 
 def write_share(transport, src: KVEndpoint, rank: int, src_slots: torch.Tensor,
-                dst: KVEndpoint, dst_slots: torch.Tensor) -> int:
+                dst: KVEndpoint, dst_slots: torch.Tensor, stager: SliceStager | None = None
+                ) -> int:
     """Rank ``rank`` of worker ``src`` writes its share of ``src_slots`` into ``dst_slots``
-    of worker ``dst`` (every destination rank it owes heads to); returns the bytes."""
+    of worker ``dst`` (every destination rank it owes heads to); returns the bytes.
+
+    Each piece goes as the spans :func:`copy_spans` plans, except, given ``stager`` (over
+    this rank's pool, on ``transport``), a piece that is a destination's whole row but
+    only part of ours: staged, then written in whole rows (see staging.py)."""
+    mine = src.layouts[rank]
     written = 0
-    for session, src_addrs, dst_addrs, lengths in rank_spans(src, rank, src_slots, dst,
-                                                             dst_slots):
-        transport.write(session, src_addrs, dst_addrs, lengths)
-        written += sum(lengths)
+    for d, pieces in head_plan(src, rank, dst).items():
+        session, theirs = dst.sessions[d], dst.layouts[d]
+        for piece in pieces:
+            if stager is not None and stageable(mine, theirs, piece):
+                written += stager.write(session, mine, src_slots, theirs, dst_slots, piece)
+                continue
+            src_addrs, dst_addrs, lengths = copy_spans(mine, src_slots, theirs, dst_slots,
+                                                       piece)
+            transport.write(session, src_addrs, dst_addrs, lengths)
+            written += sum(lengths)
     return written
 
 
@@ -82,14 +95,17 @@ class KVSender:
     at the room's last job or fence, and before it one early, non-final failure when a
     write fails mid-prefill (so it stops prefilling and queues the fence).
     ``faults`` (a :class:`~radixray.engine.faults.FaultInjector`, tests only) is asked
-    before each write.
+    before each write. ``stager`` (a :class:`SliceStager` over this rank's pool) re-slices
+    rows for a decode worker of more ranks; the sender owns it and closes it when its
+    thread ends.
     """
 
     def __init__(self, transport, endpoint: KVEndpoint, worker_id: str,
                  report: Callable[[TransferOutcome], None],
-                 notify: Callable[[str, object], None], group=None):
+                 notify: Callable[[str, object], None], group=None,
+                 stager: SliceStager | None = None):
         self.transport, self.endpoint, self.worker_id = transport, endpoint, worker_id
-        self.group = group
+        self.group, self.stager = group, stager
         self.report, self.notify = report, notify
         self.faults: FaultInjector | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -111,6 +127,8 @@ class KVSender:
         while True:
             job = self._queue.get()
             if job is None:
+                if self.stager is not None:  # no write of this thread is in flight now
+                    self.stager.close()
                 return
             try:
                 if isinstance(job, Fence):
@@ -146,7 +164,8 @@ class KVSender:
         bytes; raises when any share failed, once every rank is done with the job."""
         ticket = None if self.group is None else self.group.dispatch(dest, src_slots, dst_slots)
         try:
-            written = write_share(self.transport, self.endpoint, 0, src_slots, dest, dst_slots)
+            written = write_share(self.transport, self.endpoint, 0, src_slots, dest, dst_slots,
+                                  self.stager)
         finally:  # the followers' writes end before this job does, whatever happened here
             error, theirs = (None, 0) if ticket is None else self.group.wait(ticket)
         if error is not None:

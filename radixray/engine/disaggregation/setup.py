@@ -18,6 +18,7 @@ from radixray.engine.disaggregation.messages import (
 )
 from radixray.engine.disaggregation.prefill import PrefillSide
 from radixray.engine.disaggregation.sender import KVSender
+from radixray.engine.disaggregation.staging import SliceStager
 from radixray.engine.disaggregation.tp_group import GroupWrites, open_rank_kv
 from radixray.engine.faults import FaultInjector
 
@@ -54,8 +55,10 @@ class PDLink:
         self.sender: KVSender | None = None
         self.faults: FaultInjector | None = None  # tests only (attach_fault_injector)
         if mode == "prefill":
+            pool = runner.kv_pool  # staged when decode ranks hold fewer heads than ours
             self.sender = KVSender(self.transport, self.endpoint, worker_id, scheduler.submit,
-                                   self.send, self.group)
+                                   self.send, self.group,
+                                   SliceStager(self.transport, pool.k_buffers, pool.v_buffers))
             self.side = PrefillSide(scheduler, self.sender, self.send, worker_id,
                                     config.disaggregation_bootstrap_timeout_s)
         else:

@@ -28,6 +28,7 @@ import torch
 
 from radixray.engine.disaggregation.layout import pool_layout
 from radixray.engine.disaggregation.messages import KVEndpoint, KVLayout
+from radixray.engine.disaggregation.staging import SliceStager
 
 logger = logging.getLogger("radixray.pd")
 
@@ -156,12 +157,16 @@ class GroupWrites:
 
 class FollowerKV:
     """A follower rank's side: its transport with its pool registered, its place in the
-    group's endpoint, and a thread writing the :class:`KVWriteOp` s the driver sends."""
+    group's endpoint, and a thread writing the :class:`KVWriteOp` s the driver sends (its
+    rows re-sliced through a :class:`~radixray.engine.disaggregation.staging.SliceStager`
+    where a decode rank holds fewer heads)."""
 
     def __init__(self, runner, config, tp):
         self.rank = tp.rank
         kv = open_rank_kv(runner, config)
         self.transport, self.endpoint, self.store = kv.transport, kv.endpoint, None
+        self.stager = SliceStager(kv.transport, runner.kv_pool.k_buffers,
+                                  runner.kv_pool.v_buffers)
         if kv.store_address is not None:  # a prefill worker: report each job there
             host, port = kv.store_address.rsplit(":", 1)
             self.store = _store(host, int(port), False, config.tp_timeout_s)
@@ -183,7 +188,7 @@ class FollowerKV:
                 return
             try:
                 written = write_share(self.transport, self.endpoint, self.rank, op.src_slots,
-                                      op.dest, op.dst_slots)
+                                      op.dest, op.dst_slots, self.stager)
                 value = f"ok:{written}"
             except Exception as exc:  # noqa: BLE001 - the driver fails the room
                 value = f"error:{exc}"
@@ -195,4 +200,6 @@ class FollowerKV:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():  # else a write still holds it: the process ends
+            self.stager.close()
         self.transport.close()

@@ -11,6 +11,7 @@ from radixray.engine.attention import create_attention_backend
 from radixray.engine.config import EngineConfig
 from radixray.engine.ep.eplb import model_expert_options
 from radixray.engine.ep.group import join_ep_group
+from radixray.engine.executor.cuda_graph import build_decode_graphs
 from radixray.engine.executor.forward_batch import ForwardBatch, ForwardMode
 from radixray.engine.executor.prompt_logprobs import compute_prompt_logprobs, plan_prompt_rows
 from radixray.engine.mem_cache.hugepages import pack_parameters_into_huge_pages
@@ -170,6 +171,8 @@ class ModelRunner:
             backend, self.req_pool.table, self.kv_pool, scaling, self.dtype)
         for attn in self.model.attention_layers():
             attn.attn = self.attn_backend
+        self.last_step_graphed = False  # the decode log line's "cuda graph"
+        self.decode_graphs, graphs_note = build_decode_graphs(self, config)
         self.slot_routes = None  # enable_return_routed_experts (engine/models/routed_experts.py)
         if config.enable_return_routed_experts:
             moe = self.model.moe
@@ -193,6 +196,9 @@ class ModelRunner:
             str(self.kv_dtype).removeprefix("torch."), self.attn_backend.name, self.kernels.active,
             config.deterministic, self.device,
             torch.get_num_threads())
+        logger.info("decode CUDA graphs: %s", graphs_note)
+        if self.decode_graphs is not None:
+            self.decode_graphs.capture_all()
 
     # ---- batches ---------------------------------------------------------------------
     def build_extend_batch(self, items: list[tuple[Req, int]], slots: list[torch.Tensor]) -> ForwardBatch:
@@ -263,8 +269,7 @@ class ModelRunner:
             self.tp.send(self.tp_mirror.message(batch))
         if self.device != "cpu":
             batch.to_device(self.device)
-        self.attn_backend.init_forward_metadata(batch)
-        logits = self.model(batch)
+        logits = self.run_model(batch)
         if batch.prompt_rows is not None:
             compute_prompt_logprobs(batch.prompt_rows, self.model.project, self.vocab_size)
             batch.prompt_rows.hidden = None
@@ -274,6 +279,23 @@ class ModelRunner:
         if self.eplb is not None:
             self.eplb.after_forward()
         return logits
+
+    def run_model(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model's forward over ``batch``: a decode batch through its CUDA graph bucket
+        when one applies (engine/executor/cuda_graph.py), else eagerly. Every rank of a
+        tensor-parallel group calls it with the same batch."""
+        graphs = self.decode_graphs
+        self.last_step_graphed = graphs is not None and graphs.can_run(batch)
+        if self.last_step_graphed:
+            return graphs.run(batch)
+        self.attn_backend.init_forward_metadata(batch)
+        return self.model(batch)
+
+    def weights_moved(self) -> None:
+        """The weights' or the KV pool's tensors changed (a weight update's commit or
+        rollback, a memory release): captured graphs read the old addresses."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.invalidate()
 
     def close(self) -> None:
         """Stop the follower ranks this runner drives (tensor parallelism); idempotent."""

@@ -90,6 +90,7 @@ class MemorySaver:
         if "kv_cache" in tags:
             self._flush_kv()
         state = self.storages.release(tags)
+        self.runner.weights_moved()  # captured decode graphs read the freed storages
         self._relay(MemoryOp("release", tuple(tags)))
         return self._report("release_memory_occupation", "freed", tags, state, t0)
 
@@ -107,6 +108,7 @@ class MemorySaver:
                 raise ValueError(f"resume_memory_occupation: {tag!r} is not released")
         t0 = time.perf_counter()
         state = self.storages.resume(tags)
+        self.runner.weights_moved()  # new storages: decode graphs are captured again
         self._relay(MemoryOp("resume", tuple(tags)))
         if "kv_cache" in tags:
             kv = self.scheduler.kv

@@ -7,7 +7,7 @@ per-layer tensors held by the attention backend) stay valid; only the memory und
 them goes, and ``resize_(n)`` gives them new memory later. That keeps object
 identity, which is what SGLang's memory saver keeps by holding on to virtual
 addresses; the raw addresses do change on resume, so anything that captured them
-(CUDA graphs) would have to be captured again (the engine has none today). CPU
+(the decode CUDA graphs) is captured again (``ModelRunner.weights_moved``). CPU
 storages of 32 MiB and more come from mmap and go straight back to the kernel;
 smaller ones go back to glibc's arenas, and ``malloc_trim`` then returns their pages
 (all but up to glibc's trim threshold at the top of a thread's arena). CUDA memory

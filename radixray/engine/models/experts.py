@@ -14,6 +14,7 @@ A MoE layer runs in three stages, each replaceable on its own:
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 
 import torch
@@ -93,7 +94,10 @@ class ExpertDispatcher(nn.Module, ABC):
 class LocalExperts(ExpertDispatcher):
     """Every expert slot in this process: tokens grouped by slot (one sort), then one
     gate|up and one down matmul per slot that has tokens. Plain torch ops through the
-    engine's kernels (the small-M linear; batch-invariant in deterministic mode)."""
+    engine's kernels (the small-M linear; batch-invariant in deterministic mode). On CUDA
+    with triton installed, the fused MoE kernel instead (radixray/kernels/triton_moe.py:
+    one grouped GEMM per projection for all slots; each token's k products are summed in
+    fp32 and rounded once, not added one by one)."""
 
     def __init__(self, num_slots: int, hidden_size: int, intermediate_size: int,
                  kernels: CpuKernels):
@@ -106,6 +110,9 @@ class LocalExperts(ExpertDispatcher):
 
     def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
+        if hidden.is_cuda and _triton_installed():
+            from radixray.kernels.triton_moe import fused_moe
+            return fused_moe(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
         out = torch.zeros_like(hidden)
         if hidden.shape[0] == 0:
             return out
@@ -126,3 +133,12 @@ class LocalExperts(ExpertDispatcher):
             out.index_add_(0, rows, y.to(out.dtype))
             start += n
         return out
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -367,7 +367,7 @@ class Scheduler:
             used, usage = self.token_usage()
             self.stats.gen_throughput = self.stats.take_gen_throughput()
             log_decode(self.queues.num_running, used, usage, self.stats.gen_throughput,
-                       self.queues.num_waiting)
+                       self.queues.num_waiting, self.runner.last_step_graphed)
 
     # ---- moving requests -----------------------------------------------------------
     def enqueue(self, req: Req) -> None:

@@ -54,7 +54,9 @@ def log_prefill(new_seq: int, new_token: int, cached_token: int, usage: float, r
         new_seq, new_token, cached_token, usage, running, queued, new_token / max(seconds, 1e-9))
 
 
-def log_decode(running: int, tokens: int, usage: float, gen_throughput: float, queued: int) -> None:
+def log_decode(running: int, tokens: int, usage: float, gen_throughput: float, queued: int,
+               cuda_graph: bool = False) -> None:
     logger.info(
-        "Decode batch, #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): "
-        "%.2f, #queue-req: %d", running, tokens, usage, gen_throughput, queued)
+        "Decode batch, #running-req: %d, #token: %d, token usage: %.2f, cuda graph: %s, "
+        "gen throughput (token/s): %.2f, #queue-req: %d", running, tokens, usage, cuda_graph,
+        gen_throughput, queued)

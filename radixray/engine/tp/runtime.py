@@ -131,18 +131,22 @@ def follow(runner, tp, kv=None) -> None:
             return
         if isinstance(message, WeightOp):
             weights.apply(message)
+            if message.kind in ("commit", "rollback"):
+                runner.weights_moved()
             continue
         if isinstance(message, MemoryOp):
             mirror_memory_op(memory, message)
+            runner.weights_moved()
             continue
         if isinstance(message, KVWriteOp):
             kv.put(message)
             continue
         apply_to_table(message, table)
         batch = message.batch()
-        runner.attn_backend.init_forward_metadata(batch)
+        if runner.device != "cpu":  # the driver sent its host tensors
+            batch.to_device(runner.device)
         with torch.inference_mode():
-            runner.model(batch)
+            runner.run_model(batch)
             if batch.prompt_rows is not None:  # the driver projects them in these chunks
                 hidden = batch.prompt_rows.hidden
                 for start, stop in projection_chunks(hidden.shape[0], runner.vocab_size):

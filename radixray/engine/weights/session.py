@@ -295,6 +295,7 @@ class WeightUpdater:
             version, prepared = self._prepared
             self._relay("commit")
             self._undo = (self.version, self.floor, prepared.commit())
+            self.runner.weights_moved()
             self._stage = self._prepared = None
             self.floor = raise_floor(self.floor, version)
             self._set_version(scheduler, version)
@@ -310,6 +311,7 @@ class WeightUpdater:
             old_version, self.floor, undo = self._undo
             self._relay("rollback")
             undo.rollback()
+            self.runner.weights_moved()
             self._undo = None
             self._closed()
             self._set_version(scheduler, old_version)
