@@ -42,7 +42,7 @@ LONG_LOOP_TIMEOUT_S = 600.0  # verbs that move weights or the KV pool
 # HTTP protocol, the fleet's weight update and the RL config check their input against
 # these; this module imports nothing heavy, so the ingress and the configs may use it.
 PAUSE_MODES = ("abort", "retract", "in_place")
-MEMORY_TAGS = ("kv_cache", "weights")
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")  # cuda_graph: the decode graphs (CUDA)
 # A weight update stages the new weights by reading the serving ones, so only the KV pool
 # may be released while it runs (the freed pool makes room for the staged copy).
 RELEASABLE_DURING_UPDATE = ("kv_cache",)

@@ -157,10 +157,11 @@ class Job:
         import ray
         cfg = self.cfg
         # The weights stay released: the update replaces every one of them, so their
-        # spilled bytes are never read back (only the rotary tables are).
+        # spilled bytes are never read back (only the rotary tables are). Decode graphs
+        # (CUDA) come back with the KV pool; they are captured again at the next decode.
         t0 = time.perf_counter()
-        _check(ray.get(self.controller.resume_memory_occupation.remote(["kv_cache"])),
-               "resume_memory_occupation")
+        _check(ray.get(self.controller.resume_memory_occupation.remote(
+            ["kv_cache", "cuda_graph"])), "resume_memory_occupation")
         t1 = time.perf_counter()
         handle = ray.get(self.trainer.write_shared.remote())
         payload = None

@@ -92,11 +92,20 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> its logits, written by replay
         self.pool = None  # the graphs' shared memory pool
         self.released = False  # the cuda_graph memory tag
+        self._warned_over = False  # logged once: a decode batch above the largest bucket
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return (not self.released and batch.mode is ForwardMode.DECODE and not batch.num_decode
-                and batch.batch_size <= self.max_bs and not batch.route_captures
-                and batch.prompt_rows is None)
+        if (self.released or batch.mode is not ForwardMode.DECODE or batch.num_decode
+                or batch.route_captures or batch.prompt_rows is not None):
+            return False
+        if batch.batch_size > self.max_bs:
+            if not self._warned_over:
+                self._warned_over = True
+                logger.info("a decode batch of %d requests runs eagerly: the largest CUDA "
+                            "graph bucket is %d (raise cuda_graph_max_bs to capture more)",
+                            batch.batch_size, self.max_bs)
+            return False
+        return True
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.sizes if b >= n)

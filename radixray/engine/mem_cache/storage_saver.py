@@ -166,6 +166,8 @@ class StorageSaver:
             pool = self.runner.kv_pool
             storages = _distinct_storages(pool.k_buffers + pool.v_buffers)
             state["kv_cache"] = _Released(storages, [st.nbytes() for st in storages])
+        if "cuda_graph" in tags:  # no storages: the graphs and their memory pool go
+            state["cuda_graph"] = _Released([], [self._release_graphs()])
         for tag in tags:
             for storage in state[tag].storages:
                 storage.resize_(0)
@@ -191,6 +193,8 @@ class StorageSaver:
                 storage.resize_(0)
             raise
         for tag, rel in zip(tags, state):
+            if tag == "cuda_graph" and self.runner.decode_graphs is not None:
+                self.runner.decode_graphs.resume()  # captured again at the next decode step
             if rel.spill_file is not None:
                 rel.spill_file.close()  # unnamed file: closing deletes it
             del self.state[tag]
@@ -252,6 +256,16 @@ class StorageSaver:
                 rel.spill_file.close()
             raise
         return rel
+
+    def _release_graphs(self) -> int:
+        """Drop the runner's decode CUDA graphs (decode runs eagerly until resumed); the
+        device memory that returned (0 without graphs)."""
+        graphs = self.runner.decode_graphs
+        if graphs is None:
+            return 0
+        before = torch.cuda.memory_reserved(self.runner.device)
+        graphs.release()
+        return max(0, before - torch.cuda.memory_reserved(self.runner.device))
 
     @staticmethod
     def _fill(tag: str, rel: _Released) -> None:
