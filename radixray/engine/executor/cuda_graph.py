@@ -115,13 +115,12 @@ class DecodeGraphs:
         bucket's graph (captured first if missing)."""
         n = batch.batch_size
         bs = self.bucket(n)
+        if self.capture and bs not in self.graphs:  # dropped (weights moved): capture first,
+            self.capture_all()  # it runs padding batches through the same static buffers
         padded = self._padded(batch, bs)
         self.runner.attn_backend.prepare_graph(padded, bs)
         if not self.capture:
             return self.runner.model(padded)[:n]
-        if bs not in self.graphs:
-            self.capture_all()
-            self.runner.attn_backend.prepare_graph(padded, bs)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
 
