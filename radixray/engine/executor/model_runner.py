@@ -94,8 +94,8 @@ class ModelRunner:
         if self.device != "cpu" and not torch.cuda.is_available():
             raise RuntimeError(f"device={self.device!r} but torch sees no CUDA device "
                                f"(torch {torch.__version__}); use device='cpu'")
-        if self.device.startswith("cuda"):  # NCCL groups and CUDA graphs use the current device
-            torch.cuda.set_device(torch.device(self.device))
+        if torch.device(self.device).index is not None:  # cuda:N: NCCL groups and CUDA
+            torch.cuda.set_device(torch.device(self.device))  # graphs use the current device
         self.dtype, dtype_reason = pick_dtype(config.dtype, config.device)
         self.eplb = None  # the engine's ExpertBalancer (engine/ep/eplb.py) with enable_eplb
         if config.num_threads:
