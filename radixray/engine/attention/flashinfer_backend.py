@@ -70,8 +70,7 @@ class FlashInferAttention(AttentionBackend):
         # tokens' slots are in the table before the step runs)
         meta["table"] = page_table(self.req_to_token, batch.req_rows, batch.seq_lens, device)
         if batch.mode is ForwardMode.EXTEND:
-            meta["qo_indptr"] = indptr_of(
-                torch.tensor(batch.extend_lens, dtype=torch.int32)).to(device)
+            meta["qo_indptr"] = indptr_of(batch.extend_lens, device)
         meta["planned"] = False
 
     # ---- decode CUDA graphs (engine/executor/cuda_graph.py) ---------------------------------

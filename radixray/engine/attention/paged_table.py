@@ -30,7 +30,7 @@ def page_table(req_to_token: torch.Tensor, rows: torch.Tensor, lens: list[int],
     """The first ``lens[b]`` slots of request table row ``rows[b]``, for each ``b``, packed
     (request order, then position order). A length may be 0."""
     lens_t = torch.tensor(lens, dtype=torch.int32)
-    indptr = indptr_of(lens_t)
+    indptr = _cumulative(lens_t)
     width = max(lens, default=0)
     if width:
         cells = req_to_token[rows, :width]
@@ -40,9 +40,14 @@ def page_table(req_to_token: torch.Tensor, rows: torch.Tensor, lens: list[int],
     return PageTable(indptr.to(device), indices.to(device), lens_t.to(device))
 
 
-def indptr_of(lens: torch.Tensor) -> torch.Tensor:
-    """``[0, lens[0], lens[0] + lens[1], ...]`` (int32), on ``lens``'s device."""
-    out = torch.zeros(lens.numel() + 1, dtype=torch.int32, device=lens.device)
+def indptr_of(lens: list[int], device: torch.device) -> torch.Tensor:
+    """``[0, lens[0], lens[0] + lens[1], ...]`` (int32) on ``device``: where each request's
+    rows start in a packed batch (e.g. ``qo_indptr`` from an extend batch's new tokens)."""
+    return _cumulative(torch.tensor(lens, dtype=torch.int32)).to(device)
+
+
+def _cumulative(lens: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(lens.numel() + 1, dtype=torch.int32)
     torch.cumsum(lens, 0, out=out[1:])
     return out
 

@@ -66,8 +66,7 @@ class TritonAttention(AttentionBackend):
         else:
             meta["table"] = page_table(self.req_to_token, batch.req_rows, batch.prefix_lens,
                                        device)
-            meta["qo_indptr"] = indptr_of(
-                torch.tensor(batch.extend_lens, dtype=torch.int32)).to(device)
+            meta["qo_indptr"] = indptr_of(batch.extend_lens, device)
 
     # ---- decode CUDA graphs (engine/executor/cuda_graph.py) ---------------------------------
     def init_graph_buffers(self, max_bs: int, num_q_heads: int, q_dtype: torch.dtype) -> None:

@@ -60,12 +60,7 @@ def graphs_unavailable(runner, config) -> str | None:
         return "disabled (disable_cuda_graph)"
     if not str(runner.device).startswith("cuda"):
         return f"device {runner.device} is not a CUDA device"
-    return static_path_unavailable(runner)
-
-
-def static_path_unavailable(runner) -> str | None:
-    """Why the static-buffer decode path cannot run on ``runner`` (any device)."""
-    if not getattr(runner.attn_backend, "supports_cuda_graph", False):
+    if not runner.attn_backend.supports_cuda_graph:
         return f"attention backend {runner.attn_backend.name!r} keeps no static metadata"
     if runner.routes_experts:
         return "a mixture-of-experts model dispatches its tokens on the host"
