@@ -32,7 +32,16 @@ class GRPOConfig(BaseModel):
 
     model: str = Field("default", description="'default' (SmolLM2-135M-Instruct), a Hugging "
                        "Face folder, or a .gguf file; the workers and the trainer load the same")
-    task: str = Field("arithmetic", description="a task of radixray.rl.tasks.TASKS")
+    task: str = Field("arithmetic", description="a registered task (radixray.rl.tasks, "
+                      "radixray.rl.tool_tasks) or a Task subclass by import path "
+                      "('package.module:MyTask')")
+    reward_function: str | None = Field(
+        None, description="import path of fn(completion: str, problem) -> float in [0, 1] "
+        "that replaces the task's reward (slime's --custom-rm-path)")
+    rollout_function: str | None = Field(
+        None, description="import path of async fn(ctx, problem, n, params) -> list[Sample] "
+        "that samples one group on ctx's worker (slime's --rollout-function-path); default: "
+        "one turn, or multi-turn episodes for a tool task")
     steps: int = Field(30, ge=1, description="training steps (rollout -> train -> weight sync)")
     prompts_per_step: int = Field(8, ge=1, le=4096)
     group_size: int = Field(8, description="samples per prompt (n); GRPO needs >= 2")
@@ -99,6 +108,26 @@ class GRPOConfig(BaseModel):
         from radixray.rl.tasks import get_task
         get_task(name)  # ValueError naming the known tasks
         return name
+
+    @field_validator("reward_function", "rollout_function")
+    @classmethod
+    def _importable(cls, path: str | None, info) -> str | None:
+        if path is not None:
+            from radixray.rl.plugins import load_callable
+            load_callable(path, info.field_name)  # ValueError naming what is missing
+        return path
+
+    def reward_fn(self, task):
+        """The reward the job scores samples with: ``reward_function`` or the task's."""
+        from radixray.rl.plugins import load_callable
+        return load_callable(self.reward_function, "reward_function") if self.reward_function \
+            else task.reward
+
+    def rollout_fn(self):
+        """The user's rollout function, or None for the task's default."""
+        from radixray.rl.plugins import load_callable
+        return load_callable(self.rollout_function, "rollout_function") \
+            if self.rollout_function else None
 
     def serve_config(self) -> ServeConfig:
         """The fleet's serve configuration (the ``fleet`` section)."""

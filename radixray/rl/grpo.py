@@ -27,16 +27,27 @@ from radixray.rl.tasks import held_out
 logger = logging.getLogger("radixray.rl")
 
 
-def score(groups, task, scale: bool) -> tuple[list[dict], list[float]]:
+def score(groups, reward, scale: bool) -> tuple[list[dict], list[float]]:
     """Each sample as the trainer takes it (with its group-normalised advantage), and the
-    rewards in order."""
+    rewards in order. ``reward(text, problem)`` scores a sample."""
     import torch
-    rewards = [[task.reward(s.text, g.problem) for s in g.samples] for g in groups]
+    rewards = [[reward(s.text, g.problem) for s in g.samples] for g in groups]
     adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), scale=scale)
-    samples = [{"prompt_ids": s.prompt_ids, "output_ids": s.output_ids, "logprobs": s.logprobs,
-                "advantage": float(a)}
+    samples = [s.trainer_dict(float(a))
                for g, row in zip(groups, adv) for s, a in zip(g.samples, row) if s.output_ids]
     return samples, [r for row in rewards for r in row]
+
+
+def turn_stats(groups) -> dict:
+    """A tool task's turns: mean model turns per episode and, per turn index, the mean
+    cached tokens of its request (turn 2 on reuse the conversation so far)."""
+    episodes = [s.turns for g in groups for s in g.samples if s.turns]
+    if not episodes:
+        return {}
+    longest = max(map(len, episodes))
+    cached = [statistics.fmean(t[k]["cached_tokens"] for t in episodes if len(t) > k)
+              for k in range(longest)]
+    return {"turns_mean": statistics.fmean(map(len, episodes)), "cached_tokens_per_turn": cached}
 
 
 def run(cfg: GRPOConfig, output_dir: str, steps: int | None = None, job: Job | None = None) -> dict:
@@ -55,7 +66,7 @@ def run(cfg: GRPOConfig, output_dir: str, steps: int | None = None, job: Job | N
                 t0 = time.perf_counter()
                 groups = job.rollout(problems, cfg.group_size, seed=cfg.seed * 7919 + step * 65_537)
                 rollout_s = time.perf_counter() - t0
-                samples, rewards = score(groups, job.task, cfg.scale_advantages)
+                samples, rewards = score(groups, job.reward, cfg.scale_advantages)
                 stats = job.train(samples)
                 t1 = time.perf_counter()
                 update = job.sync()
@@ -65,7 +76,7 @@ def run(cfg: GRPOConfig, output_dir: str, steps: int | None = None, job: Job | N
                         "synced_version": update["weight_version"], "rollout_s": rollout_s,
                         "weight_sync_s": time.perf_counter() - t1,
                         "tokens_per_s": stats["tokens"] / rollout_s,
-                        "sync_phases": update["phases"]}
+                        "sync_phases": update["phases"], **turn_stats(groups)}
                 out.write(json.dumps(line) + "\n")
                 out.flush()
         summary["held_out_reward_after"] = job.evaluate(evaluation)

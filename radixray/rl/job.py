@@ -95,10 +95,12 @@ class Job:
         ray.get(self.controller.start.remote())
         self.router = find_router(serve_cfg)
         self.task = get_task(cfg.task)
+        self.reward = cfg.reward_fn(self.task)
         self.rollouts = RolloutManager(
             self.controller, self.router, source.tokenizer,
             {"temperature": cfg.temperature, "top_p": cfg.top_p,
-             "max_new_tokens": cfg.max_new_tokens}, priority=cfg.rollout_priority)
+             "max_new_tokens": cfg.max_new_tokens}, priority=cfg.rollout_priority,
+            task=self.task, rollout_function=cfg.rollout_fn())
         options = {k: getattr(cfg, k) for k in ("learning_rate", "weight_decay", "kl_coef",
                                                 "clip_low", "clip_high", "micro_batch_size")}
         threads = self.placement.trainer_options["num_cpus"] or None  # colocated: every core
@@ -207,7 +209,7 @@ class Job:
         if not problems:
             return float("nan")
         groups = self.rollout(problems, 1, None, {"temperature": 0.0})
-        return sum(self.task.reward(g.samples[0].text, g.problem) for g in groups) / len(groups)
+        return sum(self.reward(g.samples[0].text, g.problem) for g in groups) / len(groups)
 
     def close(self) -> None:
         import ray

@@ -32,13 +32,24 @@ class RolloutFailed(RuntimeError):
 @dataclass
 class Sample:
     prompt_ids: list[int]
-    output_ids: list[int]
-    logprobs: list[float]
-    text: str
+    output_ids: list[int]  # every token after the prompt (a tool episode's included)
+    logprobs: list[float]  # per output token; 0 where loss_mask is 0
+    text: str  # what the reward scores (a tool episode: the model's turns)
     weight_version: int | str  # the weights that produced its last token (an int or a label)
     worker_id: str
-    cached_tokens: int
+    cached_tokens: int  # of its (first) request
     finish_reason: str
+    loss_mask: list[int] | None = None  # per output token, 1 = trained on; None = all
+    token_versions: list | None = None  # per output token, the weights that produced it
+    turns: list[dict] | None = None  # a tool episode's model turns (cached_tokens, ...)
+
+    def trainer_dict(self, advantage: float) -> dict:
+        """The sample as the trainer takes it."""
+        out = {"prompt_ids": self.prompt_ids, "output_ids": self.output_ids,
+               "logprobs": self.logprobs, "advantage": advantage}
+        if self.loss_mask is not None:
+            out["loss_mask"] = self.loss_mask
+        return out
 
 
 @dataclass
@@ -47,26 +58,110 @@ class Group:
     samples: list[Sample]
 
 
+@dataclass
+class RolloutContext:
+    """What a rollout function gets: the group's worker (``generate``), the tokenizer and
+    the task. Every request of a group goes to this one worker (its radix cache holds the
+    group's prompt and, across turns, each conversation so far)."""
+
+    handle: object  # the worker actor
+    worker_id: str
+    tokenizer: object
+    task: object
+    priority: int = 0
+
+    async def generate(self, input_ids: list[int], params: dict) -> dict:
+        """One request on the group's worker; the engine's result (``meta_info.worker_id``
+        set)."""
+        outs = await self.handle.generate_group.remote(input_ids, 1, [params], self.priority)
+        return outs[0]
+
+    async def generate_n(self, input_ids: list[int], n: int, params: list[dict]) -> list[dict]:
+        """``n`` samples of one prompt in one batch (the prompt is prefilled once)."""
+        return await self.handle.generate_group.remote(input_ids, n, params, self.priority)
+
+
+def check_output(out: dict) -> dict:
+    """``out``'s meta_info; RolloutFailed if the engine reported an error for it."""
+    meta = out["meta_info"]
+    reason = meta["finish_reason"] or {}
+    if reason.get("type") == "error":
+        raise RolloutFailed(f"a sample failed on {meta.get('worker_id')}: {reason}")
+    return meta
+
+
+def prompt_ids(tokenizer, problem: Problem) -> list[int]:
+    """The problem as a one-turn chat in the model's template, ready for the answer."""
+    messages = [{"role": "user", "content": problem.prompt}]
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(problem.prompt)
+
+
+async def single_turn(ctx: RolloutContext, problem: Problem, n: int,
+                      params: list[dict]) -> list[Sample]:
+    """The default rollout of a one-turn task: ``n`` answers to the problem as one batch."""
+    ids = prompt_ids(ctx.tokenizer, problem)
+    samples = []
+    for out in await ctx.generate_n(ids, n, params):
+        meta = check_output(out)
+        samples.append(Sample(
+            prompt_ids=ids, output_ids=list(out["output_ids"]),
+            logprobs=list(out.get("output_token_logprobs") or []),
+            text=ctx.tokenizer.decode(out["output_ids"], skip_special_tokens=True),
+            weight_version=meta["weight_version"], worker_id=meta["worker_id"],
+            cached_tokens=meta["cached_tokens"],
+            finish_reason=(meta["finish_reason"] or {}).get("type", "")))
+    return samples
+
+
+async def multi_turn(ctx: RolloutContext, problem: Problem, n: int,
+                     params: list[dict]) -> list[Sample]:
+    """The default rollout of a tool task: ``n`` episodes (:mod:`radixray.rl.multi_turn`),
+    run concurrently on the group's worker."""
+    from radixray.rl.multi_turn import run_episode
+
+    async def generate(ids, p):
+        out = await ctx.generate(ids, p)
+        check_output(out)
+        return out
+
+    episodes = await asyncio.gather(*(
+        run_episode(generate, ctx.tokenizer, ctx.task.environment(problem), p) for p in params))
+    return [Sample(prompt_ids=e["prompt_ids"], output_ids=e["output_ids"],
+                   logprobs=e["logprobs"], text=e["text"],
+                   weight_version=e["turns"][-1]["weight_version"], worker_id=ctx.worker_id,
+                   cached_tokens=e["turns"][0]["cached_tokens"], finish_reason=e["finish_reason"],
+                   loss_mask=e["loss_mask"], token_versions=e["token_versions"],
+                   turns=e["turns"])
+            for e in episodes]
+
+
+def default_rollout_function(task):
+    """:func:`multi_turn` for a tool task, else :func:`single_turn`."""
+    from radixray.rl.multi_turn import is_multi_turn
+    return multi_turn if is_multi_turn(task) else single_turn
+
+
 class RolloutManager:
-    """Samples groups through ``controller`` (worker handles) and ``router`` (placement)."""
+    """Samples groups through ``controller`` (worker handles) and ``router`` (placement).
+    ``rollout_function(ctx, problem, n, params) -> list[Sample]`` runs one group on the
+    worker in ``ctx`` (default: by the task's kind)."""
 
     def __init__(self, controller, router, tokenizer, sampling: dict, priority: int = 0,
-                 max_attempts: int = 3):
+                 max_attempts: int = 3, task=None, rollout_function=None):
         self.controller = controller
         self.router = RouterClient(router)
         self.tokenizer = tokenizer
         self.sampling = {**sampling, "return_logprob": True, "return_unscaled_logprob": True}
         self.priority = priority
         self.max_attempts = max_attempts
+        self.task = task
+        self.rollout_function = rollout_function or default_rollout_function(task)
 
     def prompt_ids(self, problem: Problem) -> list[int]:
-        """The problem as a one-turn chat in the model's template, ready for the answer."""
-        messages = [{"role": "user", "content": problem.prompt}]
-        if getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return self.tokenizer.encode(problem.prompt)
+        return prompt_ids(self.tokenizer, problem)
 
     async def rollout(self, problems: list[Problem], n: int, seed: int | None = None,
                       sampling: dict | None = None) -> list[Group]:
@@ -78,18 +173,18 @@ class RolloutManager:
 
     async def _group(self, problem: Problem, n: int, seed: int | None,
                      sampling: dict | None) -> Group:
-        ids = self.prompt_ids(problem)
         params = {**self.sampling, **(sampling or {})}
-        per_sample = params if seed is None else [{**params, "seed": seed + j} for j in range(n)]
-        text = self.tokenizer.decode(ids)
+        per_sample = [params if seed is None else {**params, "seed": seed + j} for j in range(n)]
+        key = problem.prompt  # the router's affinity key: one problem, one worker
         excluded: list[str] = []
         errors: list[str] = []
         for attempt in range(self.max_attempts):
-            worker, _ = await self.router.pick(text, None, excluded, attempt > 0)
+            worker, _ = await self.router.pick(key, None, excluded, attempt > 0)
             try:
                 entry = await self.controller.worker.remote(worker)
-                outs = await entry.handle.generate_group.remote(ids, n, per_sample, self.priority)
-                group = Group(problem, [self._sample(ids, out) for out in outs])
+                ctx = RolloutContext(entry.handle, worker, self.tokenizer, self.task,
+                                     self.priority)
+                group = Group(problem, await self.rollout_function(ctx, problem, n, per_sample))
             except Exception as exc:  # noqa: BLE001 - the whole group goes to another worker
                 self.router.release(worker, False)
                 excluded.append(worker)
@@ -101,14 +196,3 @@ class RolloutManager:
             return group
         raise RolloutFailed(f"a group could not be sampled ({self.max_attempts} attempts): "
                             + "; ".join(errors))
-
-    def _sample(self, ids: list[int], out: dict) -> Sample:
-        meta = out["meta_info"]
-        reason = meta["finish_reason"] or {}
-        if reason.get("type") == "error":
-            raise RolloutFailed(f"a sample failed on {meta.get('worker_id')}: {reason}")
-        return Sample(prompt_ids=ids, output_ids=list(out["output_ids"]),
-                      logprobs=list(out.get("output_token_logprobs") or []),
-                      text=self.tokenizer.decode(out["output_ids"], skip_special_tokens=True),
-                      weight_version=meta["weight_version"], worker_id=meta["worker_id"],
-                      cached_tokens=meta["cached_tokens"], finish_reason=reason.get("type", ""))

@@ -38,10 +38,23 @@ from radixray.rl.grpo_loss import grpo_loss, merge_stats, sequence_logprobs
 logger = logging.getLogger("radixray.rl")
 
 
+def loss_mask(sample: dict) -> list[int]:
+    """Which output tokens a sample trains on: its ``loss_mask`` (a tool episode's model
+    tokens), else all of them."""
+    mask = sample.get("loss_mask")
+    return [1] * len(sample["output_ids"]) if mask is None else mask
+
+
+def trained_tokens(samples: list[dict]) -> int:
+    """The masked-token count of ``samples`` (the token-level mean's denominator)."""
+    return sum(sum(loss_mask(s)) for s in samples)
+
+
 def pad_batch(samples: list[dict], device) -> dict[str, torch.Tensor]:
     """Right-pad ``prompt_ids + output_ids`` of each sample: ``tokens`` [B, L], ``attention``
-    [B, L], and over the predicted positions (``tokens[:, 1:]``) ``mask`` [B, L-1] (1 on
-    output tokens), ``old`` [B, L-1] (the rollout's logprobs there) and ``advantages`` [B]."""
+    [B, L], and over the predicted positions (``tokens[:, 1:]``) ``mask`` [B, L-1] (the
+    sample's loss mask on its output tokens, 0 elsewhere), ``old`` [B, L-1] (the rollout's
+    logprobs there) and ``advantages`` [B]."""
     seqs = [s["prompt_ids"] + s["output_ids"] for s in samples]
     length = max(len(x) for x in seqs)
     b = len(samples)
@@ -53,7 +66,7 @@ def pad_batch(samples: list[dict], device) -> dict[str, torch.Tensor]:
         tokens[i, :len(seq)] = torch.tensor(seq)
         attention[i, :len(seq)] = 1
         start, n = len(s["prompt_ids"]) - 1, len(s["output_ids"])
-        mask[i, start:start + n] = 1
+        mask[i, start:start + n] = torch.tensor(loss_mask(s), dtype=torch.float32)
         old[i, start:start + n] = torch.tensor(s["logprobs"], dtype=torch.float32)
     advantages = torch.tensor([s["advantage"] for s in samples], dtype=torch.float32)
     out = {"tokens": tokens, "attention": attention, "mask": mask, "old": old,
@@ -138,7 +151,7 @@ class PolicyTrainer:
         t0 = time.perf_counter()
         opts = self.options
         mb = opts["micro_batch_size"]
-        total = sum(len(s["output_ids"]) for s in samples)
+        total = trained_tokens(samples)
         diffs, stats, loss_sum = [], [], 0.0
         self.optimizer.zero_grad(set_to_none=True)
         for i in range(0, len(samples), mb):

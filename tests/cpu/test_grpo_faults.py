@@ -112,7 +112,7 @@ def test_a_trainer_failing_mid_update_leaves_the_old_version_serving(fleet_confi
         try:
             before = _versions(job)
             groups = job.rollout(get_task("char_frequency").problems(2, seed=1), 4, seed=1)
-            samples, _ = score(groups, job.task, True)
+            samples, _ = score(groups, job.reward, True)
             job.train(samples)
             ray.get(job.trainer.attach_fault_injector.remote(
                 FaultInjector(FailTrainerSend(phase))))

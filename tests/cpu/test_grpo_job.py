@@ -82,7 +82,7 @@ def test_scores_become_group_normalised_advantages():
         return Sample([1], [2, 3], [-0.1, -0.2], text, 0, "w", 0, "length")
     groups = [Group(Problem("t", "q", "yes"), [sample("yes"), sample("no")]),
               Group(Problem("t", "q", "yes"), [sample("no"), sample("no")])]
-    samples, rewards = score(groups, Exact(), scale=True)
+    samples, rewards = score(groups, Exact().reward, scale=True)
     assert rewards == [1.0, 0.0, 0.0, 0.0]
     adv = [s["advantage"] for s in samples]
     assert adv[0] > 0 > adv[1] and adv[0] == pytest.approx(-adv[1]) and adv[2:] == [0.0, 0.0]
