@@ -10,6 +10,8 @@ fleet section:``.
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -60,6 +62,10 @@ class GRPOConfig(BaseModel):
     deterministic: bool = Field(False, description="batch-invariant workers and an engine-exact "
                                 "trainer forward: rollout and train logprobs equal to the bit "
                                 "(CPU, float32)")
+    routing_replay: bool = Field(True, description="MoE models: rollouts return each token's "
+                                 "routed experts and the trainer's forward uses them (routing "
+                                 "replay, docs/rl.md); for a MoE model folder the fleet's "
+                                 "engine.enable_return_routed_experts defaults to true")
     pause_mode: PauseMode = Field(
         "retract", description="what a weight update does to user requests on a shared fleet")
     rollout_priority: int = Field(-1, description="rollouts' scheduling priority (user "
@@ -82,6 +88,8 @@ class GRPOConfig(BaseModel):
         fields = cls.model_fields
         job = {"model": data.get("model", fields["model"].default),
                "deterministic": data.get("deterministic", fields["deterministic"].default)}
+        if data.get("routing_replay", True) and _is_moe_folder(job["model"]):
+            job["enable_return_routed_experts"] = True  # the cached prefix's routes too
         return {**data, "fleet": merge({"engine": job}, data.get("fleet", {}))}
 
     @model_validator(mode="after")
@@ -144,6 +152,16 @@ class GRPOConfig(BaseModel):
     @classmethod
     def load(cls, path: str, overrides: dict | None = None) -> GRPOConfig:
         return cls.parse(merge(read_yaml_mapping(path), overrides or {}))
+
+
+def _is_moe_folder(model) -> bool:
+    """``model`` is a Hugging Face folder of a mixture-of-experts architecture."""
+    path = os.path.join(model, "config.json") if isinstance(model, str) else ""
+    if not os.path.isfile(path):
+        return False
+    from radixray.engine.models.moe import MOE_MODEL_TYPES
+    with open(path) as f:
+        return json.load(f).get("model_type") in MOE_MODEL_TYPES
 
 
 def _describe(exc: ValidationError) -> str:

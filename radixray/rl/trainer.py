@@ -19,6 +19,12 @@ gradient flows through the transformers forward of the same weights (its values 
 from the scorer's only by rounding; :class:`_ExactValues` puts the scorer's numbers in its
 place), since the workers' model is inference-only.
 
+MoE models replay the rollout's routing (:mod:`radixray.rl.routing_replay`): when samples
+carry ``routed_experts`` (and the option ``routing_replay`` is not False) the policy's
+forward uses the experts the rollout chose for each token (the reference model for the
+KL keeps its own routing); the step reports ``routing_flip_frac``, the share of replayed
+(token, MoE layer) routes the trainer's own router would have chosen otherwise.
+
 Weights leave through :meth:`write_shared` (colocated: a reused shared-memory file the
 workers read in place) or :meth:`broadcast` (separate: torch.distributed, rank 0).
 fp32 on CPU, bf16 on GPU. Use it directly or as a Ray actor (:func:`trainer_actor_class`).
@@ -34,6 +40,7 @@ import torch
 
 from radixray.engine.faults import FaultInjector
 from radixray.rl.grpo_loss import grpo_loss, merge_stats, sequence_logprobs
+from radixray.rl.routing_replay import RoutingReplay, batch_routes
 
 logger = logging.getLogger("radixray.rl")
 
@@ -89,7 +96,8 @@ class _ExactValues(torch.autograd.Function):
 
 class PolicyTrainer:
     """GRPO on one model; see the module docstring. ``options``: the GRPO config's
-    learning_rate, weight_decay, kl_coef, clip_low, clip_high, micro_batch_size."""
+    learning_rate, weight_decay, kl_coef, clip_low, clip_high, micro_batch_size, and
+    routing_replay (default True: replay samples' ``routed_experts`` on a MoE model)."""
 
     def __init__(self, model_path: str, options: dict, device: str = "cpu", seed: int = 0,
                  num_threads: int | None = None, deterministic: bool = False):
@@ -153,10 +161,17 @@ class PolicyTrainer:
         mb = opts["micro_batch_size"]
         total = trained_tokens(samples)
         diffs, stats, loss_sum = [], [], 0.0
+        replayed = flips = 0
         self.optimizer.zero_grad(set_to_none=True)
         for i in range(0, len(samples), mb):
             batch = pad_batch(samples[i:i + mb], self.device)
-            logprobs = self._logprobs(self.model, batch)
+            routes = None
+            if opts.get("routing_replay", True):
+                routes = batch_routes(self.model, samples[i:i + mb], batch["tokens"].shape[1],
+                                      self.device)
+            with RoutingReplay(self.model, routes) as replay:
+                logprobs = self._logprobs(self.model, batch)
+            replayed, flips = replayed + replay.replayed, flips + replay.flips
             if self.scorer is not None:
                 exact = self._exact_logprobs(samples[i:i + mb], logprobs.detach())
                 logprobs = _ExactValues.apply(logprobs, exact)
@@ -179,13 +194,14 @@ class PolicyTrainer:
         self._scorer_current = False
         diff = torch.cat(diffs) if diffs else torch.zeros(0)
         merged = merge_stats(stats) if stats else None
+        extra = {"routing_flip_frac": flips / replayed} if replayed else {}
         return {"loss": loss_sum, "grad_norm": grad_norm,
                 "clip_frac": merged.clip_frac if merged else 0.0,
                 "kl": merged.kl if merged else 0.0,
                 "ratio_max": merged.ratio_max if merged else 1.0, "tokens": total,
                 "logprob_abs_diff_max": float(diff.max()) if diff.numel() else 0.0,
                 "logprob_abs_diff_mean": float(diff.mean()) if diff.numel() else 0.0,
-                "train_s": time.perf_counter() - t0}
+                "train_s": time.perf_counter() - t0, **extra}
 
     def attach_fault_injector(self, injector: FaultInjector | None) -> None:
         """Tests only: :meth:`write_shared` and :meth:`broadcast` consult ``injector``
