@@ -29,6 +29,7 @@ import uuid
 
 from radixray.cluster.weight_sources import DistributedWeights, TensorWeights
 from radixray.engine.control import MEMORY_TAGS
+from radixray.engine.models.moe import MOE_MODEL_TYPES
 from radixray.rl.config import GRPOConfig
 from radixray.rl.placement import JobPlacement, trainer_memory_bytes
 from radixray.rl.rollout import Group, RolloutManager
@@ -96,13 +97,16 @@ class Job:
         self.router = find_router(serve_cfg)
         self.task = get_task(cfg.task)
         self.reward = cfg.reward_fn(self.task)
+        sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p,
+                    "max_new_tokens": cfg.max_new_tokens}
+        if cfg.routing_replay and getattr(source.config, "model_type", None) in MOE_MODEL_TYPES:
+            sampling["return_routed_experts"] = True  # the trainer replays them
         self.rollouts = RolloutManager(
-            self.controller, self.router, source.tokenizer,
-            {"temperature": cfg.temperature, "top_p": cfg.top_p,
-             "max_new_tokens": cfg.max_new_tokens}, priority=cfg.rollout_priority,
-            task=self.task, rollout_function=cfg.rollout_fn())
+            self.controller, self.router, source.tokenizer, sampling,
+            priority=cfg.rollout_priority, task=self.task, rollout_function=cfg.rollout_fn())
         options = {k: getattr(cfg, k) for k in ("learning_rate", "weight_decay", "kl_coef",
-                                                "clip_low", "clip_high", "micro_batch_size")}
+                                                "clip_low", "clip_high", "micro_batch_size",
+                                                "routing_replay")}
         threads = self.placement.trainer_options["num_cpus"] or None  # colocated: every core
         self.trainer = trainer_actor_class().options(**self.placement.trainer()).remote(
             source.path, options, device, cfg.seed, threads, cfg.deterministic)
@@ -208,7 +212,8 @@ class Job:
         """Mean reward of one greedy answer per problem."""
         if not problems:
             return float("nan")
-        groups = self.rollout(problems, 1, None, {"temperature": 0.0})
+        groups = self.rollout(problems, 1, None, {"temperature": 0.0,
+                                                  "return_routed_experts": False})
         return sum(self.reward(g.samples[0].text, g.problem) for g in groups) / len(groups)
 
     def close(self) -> None:

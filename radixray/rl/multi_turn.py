@@ -75,7 +75,8 @@ async def run_episode(generate, tokenizer, env: Environment, params: dict) -> di
     result for one request (on the group's worker). Returns the sample's fields:
     prompt_ids, output_ids (every token after the prompt, the environment's included),
     loss_mask, logprobs, token_versions, text (the model's turns joined by newlines),
-    turns (one dict per model turn) and finish_reason (the last turn's)."""
+    turns (one dict per model turn), finish_reason (the last turn's) and, for MoE models
+    asked for them, routed_experts / routed_experts_start of the last request."""
     messages = env.reset()
     rendered = render(tokenizer, messages)
     prompt_ids = tokenizer.encode(rendered, add_special_tokens=False)
@@ -120,7 +121,11 @@ async def run_episode(generate, tokenizer, env: Environment, params: dict) -> di
         turns[-1]["tool_tokens"] = len(more)
     return {"prompt_ids": prompt_ids, "output_ids": response, "loss_mask": mask,
             "logprobs": logprobs, "token_versions": versions, "text": "\n".join(texts),
-            "turns": turns, "finish_reason": finish}
+            "turns": turns, "finish_reason": finish,
+            # the last request's routes cover the earlier turns' tokens too when the engine
+            # keeps routes by KV slot (enable_return_routed_experts)
+            "routed_experts": meta.get("routed_experts"),
+            "routed_experts_start": meta.get("routed_experts_start") or 0}
 
 
 def is_multi_turn(task) -> bool:

@@ -42,6 +42,10 @@ class Sample:
     loss_mask: list[int] | None = None  # per output token, 1 = trained on; None = all
     token_versions: list | None = None  # per output token, the weights that produced it
     turns: list[dict] | None = None  # a tool episode's model turns (cached_tokens, ...)
+    # MoE models: [token][MoE layer][k] expert ids of positions routed_experts_start.. (the
+    # rollout's routing, replayed by the trainer: radixray.rl.routing_replay)
+    routed_experts: list | None = None
+    routed_experts_start: int = 0
 
     def trainer_dict(self, advantage: float) -> dict:
         """The sample as the trainer takes it."""
@@ -49,6 +53,9 @@ class Sample:
                "logprobs": self.logprobs, "advantage": advantage}
         if self.loss_mask is not None:
             out["loss_mask"] = self.loss_mask
+        if self.routed_experts:
+            out["routed_experts"] = self.routed_experts
+            out["routed_experts_start"] = self.routed_experts_start
         return out
 
 
@@ -112,7 +119,9 @@ async def single_turn(ctx: RolloutContext, problem: Problem, n: int,
             text=ctx.tokenizer.decode(out["output_ids"], skip_special_tokens=True),
             weight_version=meta["weight_version"], worker_id=meta["worker_id"],
             cached_tokens=meta["cached_tokens"],
-            finish_reason=(meta["finish_reason"] or {}).get("type", "")))
+            finish_reason=(meta["finish_reason"] or {}).get("type", ""),
+            routed_experts=meta.get("routed_experts"),
+            routed_experts_start=meta.get("routed_experts_start") or 0))
     return samples
 
 
@@ -134,7 +143,8 @@ async def multi_turn(ctx: RolloutContext, problem: Problem, n: int,
                    weight_version=e["turns"][-1]["weight_version"], worker_id=ctx.worker_id,
                    cached_tokens=e["turns"][0]["cached_tokens"], finish_reason=e["finish_reason"],
                    loss_mask=e["loss_mask"], token_versions=e["token_versions"],
-                   turns=e["turns"])
+                   turns=e["turns"], routed_experts=e["routed_experts"],
+                   routed_experts_start=e["routed_experts_start"])
             for e in episodes]
 
 

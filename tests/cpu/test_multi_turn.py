@@ -4,67 +4,18 @@ the calculator task and plugging user code in by import path."""
 from __future__ import annotations
 
 import asyncio
-import random
-import shutil
 
 import pytest
+from rl_helpers import Echo, chatml_copy, length_reward
 
 from radixray.rl.multi_turn import continuation_ids, render, run_episode
 from radixray.rl.tasks import Problem, Task, get_task
-from radixray.rl.tool_tasks import Calculator, Environment, Step, ToolTask, calculate
-
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-class EchoEpisode(Environment):
-    """Answers every turn with a tool message; the episode ends at the turn limit."""
-
-    def __init__(self, problem: Problem):
-        super().__init__((), max_turns=3)
-        self.problem = problem
-
-    def reset(self) -> list[dict]:
-        return [{"role": "user", "content": self.problem.prompt}]
-
-    def step(self, turn_text: str) -> Step:
-        return Step([{"role": "tool", "content": f"you wrote {len(turn_text)} characters"}])
-
-
-class Echo(ToolTask):
-    """A tool task for random-weight models: three turns, whatever they say."""
-
-    name = "echo"
-    description = "three turns with a tool that counts characters"
-    max_turns = 3
-
-    def draw(self, rng: random.Random) -> tuple[str, Problem]:
-        n = rng.randint(0, 10 ** 6)
-        return str(n), Problem(self.name, f"Say {n}.", str(n))
-
-    def environment(self, problem: Problem) -> Environment:
-        return EchoEpisode(problem)
-
-    def reward(self, completion: str, problem: Problem) -> float:
-        return float(problem.answer in completion)
-
-
-def length_reward(completion: str, problem: Problem) -> float:
-    """A user reward function (plugged in by import path in a test)."""
-    return min(1.0, len(completion) / 100)
+from radixray.rl.tool_tasks import Calculator, Step, calculate
 
 
 @pytest.fixture(scope="module")
 def chatml_llama_dir(tiny_llama_dir, tmp_path_factory):
-    """The tiny Llama with a ChatML template (the tiny one renders the generation prompt and
-    the assistant's message differently, so no conversation could be continued)."""
-    from transformers import AutoTokenizer
-    folder = str(tmp_path_factory.mktemp("chatml-llama") / "model")
-    shutil.copytree(tiny_llama_dir, folder)
-    tok = AutoTokenizer.from_pretrained(folder)
-    tok.chat_template = CHATML
-    tok.save_pretrained(folder)
-    return folder
+    return chatml_copy(tiny_llama_dir, str(tmp_path_factory.mktemp("chatml-llama") / "model"))
 
 
 def test_calculator_evaluates_arithmetic_only():
@@ -96,13 +47,13 @@ def test_calculator_episode_and_reward():
 
 
 def test_a_task_by_import_path_and_unknown_names():
-    assert isinstance(get_task("test_multi_turn:Echo"), Echo)
+    assert isinstance(get_task("rl_helpers:Echo"), Echo)
     with pytest.raises(ValueError, match="known tasks: .*calculator"):
         get_task("calculater")
     with pytest.raises(ValueError, match="has no 'Nope'"):
-        get_task("test_multi_turn:Nope")
+        get_task("rl_helpers:Nope")
     with pytest.raises(ValueError, match="not a radixray.rl.tasks.Task"):
-        get_task("test_multi_turn:length_reward")
+        get_task("rl_helpers:length_reward")
     assert issubclass(Echo, Task)
 
 
@@ -176,7 +127,7 @@ def test_user_reward_and_rollout_functions_by_import_path():
     from radixray.rl.config import GRPOConfig
     from radixray.rl.rollout import single_turn
     cfg = GRPOConfig.parse({"task": "calculator",
-                            "reward_function": "test_multi_turn:length_reward",
+                            "reward_function": "rl_helpers:length_reward",
                             "rollout_function": "radixray.rl.rollout:single_turn"})
     assert cfg.reward_fn(get_task("calculator")) is length_reward
     assert cfg.rollout_fn() is single_turn
