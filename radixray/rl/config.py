@@ -30,7 +30,7 @@ PLACEMENTS = ("colocated", "separate")
 class GRPOConfig(BaseModel):
     """One GRPO run: what to train on, how to sample, how to optimise, where things run."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     model: str = Field("default", description="'default' (SmolLM2-135M-Instruct), a Hugging "
                        "Face folder, or a .gguf file; the workers and the trainer load the same")
@@ -66,8 +66,25 @@ class GRPOConfig(BaseModel):
                                  "routed experts and the trainer's forward uses them (routing "
                                  "replay, docs/rl.md); for a MoE model folder the fleet's "
                                  "engine.enable_return_routed_experts defaults to true")
-    pause_mode: PauseMode = Field(
-        "retract", description="what a weight update does to user requests on a shared fleet")
+    pause_mode: PauseMode | None = Field(
+        None, description="what a weight update does to requests in flight (user requests on "
+        "a shared fleet; with async, the rollouts too): retract, in_place or abort (async: "
+        "the rollout resubmits it from its tokens); default in_place with async, else retract")
+    async_training: bool = Field(False, alias="async", description="rollouts keep sampling "
+                                 "with the newest weights while the trainer trains (needs "
+                                 "placement: separate)")
+    max_staleness: int = Field(1, ge=0, le=64, description="async: the oldest trained token "
+                               "may come from weights this many versions behind the trainer's")
+    loss_correction: Literal["none", "tis"] | None = Field(
+        None, description="tis: decoupled PPO with a truncated importance weight against the "
+        "rollout's logprobs (docs/rl.md); none: plain GRPO ratio to them. Default: tis with "
+        "async, else none")
+    tis_cap: float = Field(2.0, ge=1.0, le=1e4, description="the importance weight's cap C")
+    dynamic_sampling: bool = Field(False, description="drop groups whose rewards are all equal "
+                                   "and sample more to refill the batch (DAPO)")
+    dynamic_sampling_max_rounds: int = Field(4, ge=1, le=64, description="sampling rounds per "
+                                             "step (async: batches' worth of flat groups "
+                                             "dropped) before flat groups are trained on")
     rollout_priority: int = Field(-1, description="rollouts' scheduling priority (user "
                                   "requests default to 0; needs enable_priority_scheduling)")
     held_out_prompts: int = Field(32, ge=0, description="held-out problems scored greedily "
@@ -97,6 +114,14 @@ class GRPOConfig(BaseModel):
         if self.deterministic and not self.fleet.engine.deterministic:
             raise ValueError("deterministic: true needs a deterministic fleet, but "
                              "fleet.engine.deterministic is false: drop it or set it true")
+        if self.pause_mode is None:
+            self.pause_mode = "in_place" if self.async_training else "retract"
+        if self.loss_correction is None:
+            self.loss_correction = "tis" if self.async_training else "none"
+        if self.async_training and self.placement != "separate":
+            raise ValueError("async: true needs placement: separate (colocated workers release "
+                             "their memory while the trainer trains, so nothing could sample "
+                             "meanwhile)")
         if self.fleet.fleet.disaggregated:
             raise ValueError("fleet.fleet.prefill_workers: GRPO rollouts run on unified "
                              "workers; set fleet.fleet.workers instead")

@@ -15,39 +15,16 @@ import argparse
 import json
 import logging
 import os
-import statistics
 import sys
 import time
 
+from radixray.rl.async_rollouts import AsyncBatches
+from radixray.rl.batches import SyncBatches
 from radixray.rl.config import GRPOConfig
-from radixray.rl.grpo_loss import group_advantages
 from radixray.rl.job import Job
 from radixray.rl.tasks import held_out
 
 logger = logging.getLogger("radixray.rl")
-
-
-def score(groups, reward, scale: bool) -> tuple[list[dict], list[float]]:
-    """Each sample as the trainer takes it (with its group-normalised advantage), and the
-    rewards in order. ``reward(text, problem)`` scores a sample."""
-    import torch
-    rewards = [[reward(s.text, g.problem) for s in g.samples] for g in groups]
-    adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), scale=scale)
-    samples = [s.trainer_dict(float(a))
-               for g, row in zip(groups, adv) for s, a in zip(g.samples, row) if s.output_ids]
-    return samples, [r for row in rewards for r in row]
-
-
-def turn_stats(groups) -> dict:
-    """A tool task's turns: mean model turns per episode and, per turn index, the mean
-    cached tokens of its request (turn 2 on reuse the conversation so far)."""
-    episodes = [s.turns for g in groups for s in g.samples if s.turns]
-    if not episodes:
-        return {}
-    longest = max(map(len, episodes))
-    cached = [statistics.fmean(t[k]["cached_tokens"] for t in episodes if len(t) > k)
-              for k in range(longest)]
-    return {"turns_mean": statistics.fmean(map(len, episodes)), "cached_tokens_per_turn": cached}
 
 
 def run(cfg: GRPOConfig, output_dir: str, steps: int | None = None, job: Job | None = None) -> dict:
@@ -59,28 +36,35 @@ def run(cfg: GRPOConfig, output_dir: str, steps: int | None = None, job: Job | N
     evaluation = held_out(job.task, cfg.held_out_prompts, cfg.seed)
     summary = {"held_out_reward_before": job.evaluate(evaluation)}
     path = os.path.join(output_dir, "metrics.jsonl")
+    batches = None
     try:
+        batches = (AsyncBatches if cfg.async_training else SyncBatches)(job, cfg, job.reward)
+        start = time.perf_counter()
+        trained_s = 0.0
         with open(path, "w") as out:
             for step in tqdm(range(steps or cfg.steps), desc="GRPO steps", unit="step"):
-                problems = job.task.problems(cfg.prompts_per_step, seed=cfg.seed * 1_000_003 + step)
                 t0 = time.perf_counter()
-                groups = job.rollout(problems, cfg.group_size, seed=cfg.seed * 7919 + step * 65_537)
-                rollout_s = time.perf_counter() - t0
-                samples, rewards = score(groups, job.reward, cfg.scale_advantages)
-                stats = job.train(samples)
+                batch = batches.next(step)
+                version = batches.version
+                stats = job.train(batch.samples)
                 t1 = time.perf_counter()
                 update = job.sync()
-                line = {"step": step, "reward_mean": statistics.fmean(rewards),
-                        "reward_std": statistics.pstdev(rewards), **stats,
-                        "weight_version": groups[0].samples[0].weight_version,
-                        "synced_version": update["weight_version"], "rollout_s": rollout_s,
-                        "weight_sync_s": time.perf_counter() - t1,
-                        "tokens_per_s": stats["tokens"] / rollout_s,
-                        "sync_phases": update["phases"], **turn_stats(groups)}
+                batches.synced(update["weight_version"])
+                now = time.perf_counter()
+                trained_s += stats["train_s"]
+                wall = now - start
+                line = {"step": step, **batch.metrics, **stats, "weight_version": version,
+                        "synced_version": update["weight_version"], "weight_sync_s": now - t1,
+                        "step_s": now - t0, "tokens_per_s": stats["tokens"] / (now - t0),
+                        "wall_s": wall, "trainer_idle_frac": max(0.0, 1 - trained_s / wall),
+                        **batches.idle(wall), "sync_phases": update["phases"]}
                 out.write(json.dumps(line) + "\n")
                 out.flush()
+        batches.close()
         summary["held_out_reward_after"] = job.evaluate(evaluation)
     finally:
+        if batches is not None:
+            batches.close()
         job.close()
     with open(os.path.join(output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

@@ -133,6 +133,8 @@ class LossStats:
     ratio_mean: float
     ratio_max: float
     tokens: int
+    tis_clip_frac: float = 0.0  # share of tokens whose behaviour weight was truncated
+    mismatch_kl: float = 0.0  # mean k3 KL(proximal || behaviour) over the tokens
 
 
 def merge_stats(stats: Sequence[LossStats]) -> LossStats:
@@ -142,7 +144,7 @@ def merge_stats(stats: Sequence[LossStats]) -> LossStats:
     """
     tokens = sum(s.tokens for s in stats)
     if tokens == 0:
-        return LossStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0)
+        return LossStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0)  # the two TIS stats default to 0
 
     def mean(field: str) -> float:
         return sum(getattr(s, field) * s.tokens for s in stats) / tokens
@@ -155,6 +157,8 @@ def merge_stats(stats: Sequence[LossStats]) -> LossStats:
         ratio_mean=mean("ratio_mean"),
         ratio_max=max(s.ratio_max for s in stats if s.tokens),
         tokens=tokens,
+        tis_clip_frac=mean("tis_clip_frac"),
+        mismatch_kl=mean("mismatch_kl"),
     )
 
 
@@ -168,6 +172,8 @@ def grpo_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     total_tokens: int | None = None,
+    behaviour_logprobs: torch.Tensor | None = None,
+    tis_cap: float | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """GRPO's clipped surrogate loss over a batch of sampled completions.
 
@@ -197,12 +203,32 @@ def grpo_loss(
     instead of its own count, and the summed micro-batch gradients equal the whole batch's.
     With no masked tokens at all the loss is a differentiable 0.
 
+    Off-policy samples (asynchronous training, or a rollout engine whose numerics differ
+    from the trainer's): pass the logprobs the rollout sampled with as
+    ``behaviour_logprobs`` [B, T] and the trainer's own logprobs of the same weights (the
+    *proximal* policy, detached) as ``old_logprobs``. This is the decoupled PPO objective
+    (Hilton et al. 2022, as AReaL trains) with a truncated importance weight (TIS, as verl
+    corrects the rollout/train mismatch): per masked token
+
+        w  = min(exp(old_logprobs - behaviour_logprobs), tis_cap)    (no cap when None)
+        pg = -w * min(ratio * A, clamp(ratio, 1 - clip_low, 1 + clip_high) * A)
+
+    so the clip keeps the update near the proximal policy, and ``w`` reweights tokens
+    sampled by an older (or numerically different) policy, truncated at ``tis_cap`` to
+    bound the variance. When the behaviour and proximal logprobs agree, ``w`` is 1 and the
+    loss is the on-policy loss exactly. The stats report ``tis_clip_frac`` (tokens whose
+    weight was truncated) and ``mismatch_kl`` (mean k3 KL(proximal || behaviour)).
+
     Computes in at least fp32. The ratio is not clamped before the exp: with logprobs of
     sampled tokens the log-ratio stays far from fp32's overflow at ~88.
 
     Returns the scalar loss and ``LossStats`` (see there; means over this call's tokens).
     """
-    _check_loss_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs)
+    _check_loss_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs,
+                       behaviour_logprobs)
+    if tis_cap is not None and not tis_cap >= 1.0:
+        raise ValueError(f"tis_cap must be >= 1 (a weight cap below 1 would down-weight even "
+                         f"on-policy tokens), got {tis_cap}")
     if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
         raise ValueError(
             f"need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={clip_low}, "
@@ -232,6 +258,17 @@ def grpo_loss(
     unclipped = -ratio * adv
     clipped = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
     pg = torch.maximum(unclipped, clipped)
+    weight = truncated = mismatch = None
+    if behaviour_logprobs is not None:
+        log_w = torch.where(keep, old_logprobs.detach().to(dtype)
+                            - behaviour_logprobs.detach().to(dtype), 0.0)
+        weight = torch.exp(log_w)
+        truncated = keep & (weight > tis_cap) if tis_cap is not None else keep & False
+        if tis_cap is not None:
+            weight = weight.clamp(max=tis_cap)
+        mismatch = kl_k3(torch.where(keep, old_logprobs.detach().to(dtype), 0.0),
+                         torch.where(keep, behaviour_logprobs.detach().to(dtype), 0.0))
+        pg = weight * pg
     per_token = pg
     k3 = None
     if ref_logprobs is not None:
@@ -254,6 +291,8 @@ def grpo_loss(
             (keep & (clipped > unclipped)).sum().to(dtype),
             kept_ratio.sum(),
             torch.cat([kept_ratio.flatten(), zero.unsqueeze(0)]).max(),
+            truncated.sum().to(dtype) if truncated is not None else zero,
+            torch.where(keep, mismatch, 0.0).sum() if mismatch is not None else zero,
         ]).tolist()  # one device sync for all the stats
     n = max(n_tokens, 1)
     stats = LossStats(
@@ -264,6 +303,8 @@ def grpo_loss(
         ratio_mean=sums[4] / n,
         ratio_max=sums[5],
         tokens=n_tokens,
+        tis_clip_frac=sums[6] / n,
+        mismatch_kl=sums[7] / n,
     )
     return loss, stats
 
@@ -274,6 +315,7 @@ def _check_loss_inputs(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     ref_logprobs: torch.Tensor | None,
+    behaviour_logprobs: torch.Tensor | None = None,
 ) -> None:
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
@@ -281,6 +323,8 @@ def _check_loss_inputs(
     named = {"old_logprobs": old_logprobs, "mask": mask}
     if ref_logprobs is not None:
         named["ref_logprobs"] = ref_logprobs
+    if behaviour_logprobs is not None:
+        named["behaviour_logprobs"] = behaviour_logprobs
     for name, t in named.items():
         if t.shape != shape:
             raise ValueError(

@@ -103,10 +103,12 @@ class Job:
             sampling["return_routed_experts"] = True  # the trainer replays them
         self.rollouts = RolloutManager(
             self.controller, self.router, source.tokenizer, sampling,
-            priority=cfg.rollout_priority, task=self.task, rollout_function=cfg.rollout_fn())
+            priority=cfg.rollout_priority, task=self.task, rollout_function=cfg.rollout_fn(),
+            resume_aborted=cfg.async_training and cfg.pause_mode == "abort")
         options = {k: getattr(cfg, k) for k in ("learning_rate", "weight_decay", "kl_coef",
                                                 "clip_low", "clip_high", "micro_batch_size",
-                                                "routing_replay")}
+                                                "routing_replay", "loss_correction",
+                                                "tis_cap")}
         threads = self.placement.trainer_options["num_cpus"] or None  # colocated: every core
         self.trainer = trainer_actor_class().options(**self.placement.trainer()).remote(
             source.path, options, device, cfg.seed, threads, cfg.deterministic)
@@ -122,6 +124,11 @@ class Job:
         joined = self.controller.init_weights_update_group.remote(address, port, self.workers + 1)
         ray.get([self.trainer.open_broadcast.remote(address, port, self.workers + 1), joined])
         self.spec = ray.get(self.trainer.weight_spec.remote())
+
+    def weight_version(self):
+        """The version of the weights the fleet serves now."""
+        import ray
+        return ray.get(self.controller.get_weight_version.remote())["weight_version"]
 
     def rollout(self, problems, n: int, seed: int | None, sampling: dict | None = None) -> list[Group]:
         return asyncio.run(self.rollouts.rollout(problems, n, seed, sampling))

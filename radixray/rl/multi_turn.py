@@ -19,6 +19,7 @@ turn ``k``'s tokens in that worker's radix cache: ``turns[k]["cached_tokens"]`` 
 
 from __future__ import annotations
 
+from radixray.rl.rollout import token_versions
 from radixray.rl.tool_tasks import Environment, ToolTask
 
 TURN_SEED_STRIDE = 1_000_003  # turn t of a sample seeded s samples with s + t * stride
@@ -59,17 +60,6 @@ def _content(tokenizer, output_ids: list[int]) -> str:
     return tokenizer.decode(output_ids[:end], skip_special_tokens=False)
 
 
-def _token_versions(meta: dict, n: int) -> list:
-    """The weight version of each of a turn's ``n`` output tokens."""
-    spans = meta.get("weight_versions")
-    if not spans:
-        return [meta["weight_version"]] * n
-    out: list = []
-    for span in spans:
-        out += [span["weight_version"]] * (span["end"] - span["start"])
-    return out
-
-
 async def run_episode(generate, tokenizer, env: Environment, params: dict) -> dict:
     """One episode: ``generate(input_ids, params)`` is a coroutine returning the engine's
     result for one request (on the group's worker). Returns the sample's fields:
@@ -99,7 +89,7 @@ async def run_episode(generate, tokenizer, env: Environment, params: dict) -> di
         response += ids
         mask += [1] * len(ids)
         logprobs += list(out.get("output_token_logprobs") or [0.0] * len(ids))
-        versions += _token_versions(meta, len(ids))
+        versions += token_versions(meta, len(ids))
         text = tokenizer.decode(ids, skip_special_tokens=True)
         texts.append(text)
         finish = (meta.get("finish_reason") or {}).get("type", "")

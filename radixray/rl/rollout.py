@@ -47,6 +47,14 @@ class Sample:
     routed_experts: list | None = None
     routed_experts_start: int = 0
 
+    def oldest_version(self):
+        """The oldest weights that produced one of its trained tokens (an int, or a label)."""
+        versions = self.token_versions or [self.weight_version]
+        mask = self.loss_mask or [1] * len(versions)
+        trained = [v for v, m in zip(versions, mask) if m] or [self.weight_version]
+        ints = [v for v in trained if isinstance(v, int)]
+        return min(ints) if len(ints) == len(trained) else trained[0]
+
     def trainer_dict(self, advantage: float) -> dict:
         """The sample as the trainer takes it."""
         out = {"prompt_ids": self.prompt_ids, "output_ids": self.output_ids,
@@ -65,27 +73,94 @@ class Group:
     samples: list[Sample]
 
 
+MAX_RESUMES = 16  # a request aborted more often than this (by weight updates) fails
+
+
 @dataclass
 class RolloutContext:
     """What a rollout function gets: the group's worker (``generate``), the tokenizer and
     the task. Every request of a group goes to this one worker (its radix cache holds the
-    group's prompt and, across turns, each conversation so far)."""
+    group's prompt and, across turns, each conversation so far).
+
+    With ``resume_aborted`` (the fleet pauses with ``abort`` at weight updates) a request
+    that a weight update aborted is submitted again from its tokens (prompt + what it had
+    generated, for the tokens it has left) and the pieces come back as one result whose
+    ``weight_versions`` spans say which weights produced which tokens."""
 
     handle: object  # the worker actor
     worker_id: str
     tokenizer: object
     task: object
     priority: int = 0
+    resume_aborted: bool = False
 
     async def generate(self, input_ids: list[int], params: dict) -> dict:
         """One request on the group's worker; the engine's result (``meta_info.worker_id``
         set)."""
-        outs = await self.handle.generate_group.remote(input_ids, 1, [params], self.priority)
-        return outs[0]
+        [out] = await self.handle.generate_group.remote(input_ids, 1, [params], self.priority)
+        return await self._resumed(input_ids, params, out)
 
     async def generate_n(self, input_ids: list[int], n: int, params: list[dict]) -> list[dict]:
         """``n`` samples of one prompt in one batch (the prompt is prefilled once)."""
-        return await self.handle.generate_group.remote(input_ids, n, params, self.priority)
+        outs = await self.handle.generate_group.remote(input_ids, n, params, self.priority)
+        return list(await asyncio.gather(*(self._resumed(input_ids, p, o)
+                                           for p, o in zip(params, outs))))
+
+    async def _resumed(self, input_ids: list[int], params: dict, out: dict) -> dict:
+        for _ in range(MAX_RESUMES):
+            if not self.resume_aborted or not _aborted(out):
+                return out
+            left = params.get("max_new_tokens", 128) - len(out["output_ids"])
+            if left <= 0:
+                out["meta_info"]["finish_reason"] = {"type": "length", "length": len(out["output_ids"])}
+                return out
+            [more] = await self.handle.generate_group.remote(
+                list(input_ids) + list(out["output_ids"]), 1, [{**params, "max_new_tokens": left}],
+                self.priority)
+            out = join_outputs(out, more)
+        raise RolloutFailed(f"a request was aborted more than {MAX_RESUMES} times")
+
+
+def _aborted(out: dict) -> bool:
+    return ((out["meta_info"].get("finish_reason") or {}).get("type")) == "abort"
+
+
+def token_versions(meta: dict, n: int) -> list:
+    """The weight version of each of a result's ``n`` output tokens."""
+    spans = meta.get("weight_versions")
+    if not spans:
+        return [meta["weight_version"]] * n
+    out: list = []
+    for span in spans:
+        out += [span["weight_version"]] * (span["end"] - span["start"])
+    return out
+
+
+def join_outputs(first: dict, second: dict) -> dict:
+    """One result from a request and its resumption (``second`` continued ``first``'s
+    tokens): outputs and logprobs concatenated, version spans joined, the second's finish."""
+    n1 = len(first["output_ids"])
+    spans = []
+    for meta, offset, n in ((first["meta_info"], 0, n1),
+                            (second["meta_info"], n1, len(second["output_ids"]))):
+        for k, v in enumerate(token_versions(meta, n)):
+            if spans and spans[-1]["weight_version"] == v:
+                spans[-1]["end"] = offset + k + 1
+            else:
+                spans.append({"weight_version": v, "start": offset + k, "end": offset + k + 1})
+    meta = {**first["meta_info"], **{k: second["meta_info"][k] for k in (
+        "finish_reason", "weight_version", "routed_experts", "routed_experts_start")
+        if k in second["meta_info"]}}
+    meta["completion_tokens"] = n1 + len(second["output_ids"])
+    meta["resumed"] = first["meta_info"].get("resumed", 0) + 1
+    if len(spans) > 1:
+        meta["weight_versions"] = spans
+    out = {**first, "output_ids": list(first["output_ids"]) + list(second["output_ids"]),
+           "meta_info": meta}
+    if "output_token_logprobs" in first:
+        out["output_token_logprobs"] = (list(first["output_token_logprobs"] or [])
+                                        + list(second.get("output_token_logprobs") or []))
+    return out
 
 
 def check_output(out: dict) -> dict:
@@ -120,6 +195,7 @@ async def single_turn(ctx: RolloutContext, problem: Problem, n: int,
             weight_version=meta["weight_version"], worker_id=meta["worker_id"],
             cached_tokens=meta["cached_tokens"],
             finish_reason=(meta["finish_reason"] or {}).get("type", ""),
+            token_versions=token_versions(meta, len(out["output_ids"])),
             routed_experts=meta.get("routed_experts"),
             routed_experts_start=meta.get("routed_experts_start") or 0))
     return samples
@@ -160,7 +236,8 @@ class RolloutManager:
     worker in ``ctx`` (default: by the task's kind)."""
 
     def __init__(self, controller, router, tokenizer, sampling: dict, priority: int = 0,
-                 max_attempts: int = 3, task=None, rollout_function=None):
+                 max_attempts: int = 3, task=None, rollout_function=None,
+                 resume_aborted: bool = False):
         self.controller = controller
         self.router = RouterClient(router)
         self.tokenizer = tokenizer
@@ -169,6 +246,7 @@ class RolloutManager:
         self.max_attempts = max_attempts
         self.task = task
         self.rollout_function = rollout_function or default_rollout_function(task)
+        self.resume_aborted = resume_aborted
 
     def prompt_ids(self, problem: Problem) -> list[int]:
         return prompt_ids(self.tokenizer, problem)
@@ -193,7 +271,7 @@ class RolloutManager:
             try:
                 entry = await self.controller.worker.remote(worker)
                 ctx = RolloutContext(entry.handle, worker, self.tokenizer, self.task,
-                                     self.priority)
+                                     self.priority, self.resume_aborted)
                 group = Group(problem, await self.rollout_function(ctx, problem, n, per_sample))
             except Exception as exc:  # noqa: BLE001 - the whole group goes to another worker
                 self.router.release(worker, False)

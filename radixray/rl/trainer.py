@@ -181,10 +181,14 @@ class PolicyTrainer:
             if self.ref is not None:
                 with torch.no_grad():
                     ref = self._logprobs(self.ref, batch)
-            loss, st = grpo_loss(logprobs, batch["old"], batch["advantages"], batch["mask"],
+            off_policy = {}
+            if opts.get("loss_correction", "none") == "tis":  # decoupled PPO + TIS weight
+                off_policy = {"behaviour_logprobs": batch["old"], "tis_cap": opts["tis_cap"]}
+            loss, st = grpo_loss(logprobs, logprobs.detach() if off_policy else batch["old"],
+                                 batch["advantages"], batch["mask"],
                                  clip_low=opts["clip_low"], clip_high=opts["clip_high"],
                                  ref_logprobs=ref, kl_coef=opts.get("kl_coef", 0.0),
-                                 total_tokens=total)
+                                 total_tokens=total, **off_policy)
             loss.backward()
             loss_sum += float(loss.detach())
             stats.append(st)
@@ -195,6 +199,8 @@ class PolicyTrainer:
         diff = torch.cat(diffs) if diffs else torch.zeros(0)
         merged = merge_stats(stats) if stats else None
         extra = {"routing_flip_frac": flips / replayed} if replayed else {}
+        if opts.get("loss_correction", "none") == "tis" and merged:
+            extra.update(tis_clip_frac=merged.tis_clip_frac, mismatch_kl=merged.mismatch_kl)
         return {"loss": loss_sum, "grad_norm": grad_norm,
                 "clip_frac": merged.clip_frac if merged else 0.0,
                 "kl": merged.kl if merged else 0.0,

@@ -103,7 +103,7 @@ def test_a_trainer_failing_mid_update_leaves_the_old_version_serving(fleet_confi
     """Colocated (workers paused, memory released while training) and separate (a broadcast
     cut half way): the sync raises the trainer's error, every worker keeps its version and
     answers requests again."""
-    from radixray.rl.grpo import score
+    from radixray.rl.batches import score
     from radixray.rl.job import Job
     from radixray.rl.tasks import get_task
     config, base = fleet_config

@@ -70,7 +70,7 @@ def test_trainer_logprobs_line_up_with_the_engines(tiny_llama_dir):
 
 
 def test_scores_become_group_normalised_advantages():
-    from radixray.rl.grpo import score
+    from radixray.rl.batches import score
     from radixray.rl.rollout import Group, Sample
     from radixray.rl.tasks import Problem
 
