@@ -59,6 +59,10 @@ class GRPOConfig(BaseModel):
                                   "(gradient accumulation over the step's samples)")
     scale_advantages: bool = Field(True, description="divide by the group's std (False: Dr. GRPO)")
     placement: Literal["colocated", "separate"] = "colocated"
+    trainer_ranks: int = Field(1, ge=1, le=64, description="trainer processes: above 1, an "
+                               "FSDP2 group (each rank holds 1/N of the weights, gradients "
+                               "and AdamW state; the step's samples are split among them); "
+                               "one placement-group bundle each")
     deterministic: bool = Field(False, description="batch-invariant workers and an engine-exact "
                                 "trainer forward: rollout and train logprobs equal to the bit "
                                 "(CPU, float32)")

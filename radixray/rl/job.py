@@ -16,7 +16,9 @@ training:
 Either way the update is the fleet-wide all-or-none session of the control plane, so a
 trainer that fails mid-update leaves every worker on the old version. The trainer and,
 when the job starts the fleet, every worker share one placement group
-(:mod:`radixray.rl.placement`).
+(:mod:`radixray.rl.placement`). With ``trainer_ranks`` > 1 the trainer is a
+:class:`~radixray.rl.trainer_group.TrainerGroup` actor driving that many FSDP ranks, with
+the single trainer's calls.
 """
 
 from __future__ import annotations
@@ -88,11 +90,12 @@ class Job:
         worker_bundles = serve_cfg.worker_bundles() if self.owns_fleet else []
         self.placement = JobPlacement(
             cfg.placement, device, trainer_memory_bytes(source.path, cfg.kl_coef > 0,
-                                                        cfg.deterministic),
-            worker_bundles, serve_cfg.fleet.placement_strategy)
+                                                        cfg.deterministic, cfg.trainer_ranks),
+            worker_bundles, serve_cfg.fleet.placement_strategy, cfg.trainer_ranks)
         self.placement.ready()
         if self.owns_fleet and worker_bundles:
-            ray.get(self.controller.adopt_placement_group.remote(self.placement.group, 1))
+            ray.get(self.controller.adopt_placement_group.remote(self.placement.group,
+                                                                 cfg.trainer_ranks))
         ray.get(self.controller.start.remote())
         self.router = find_router(serve_cfg)
         self.task = get_task(cfg.task)
@@ -110,8 +113,14 @@ class Job:
                                                 "routing_replay", "loss_correction",
                                                 "tis_cap")}
         threads = self.placement.trainer_options["num_cpus"] or None  # colocated: every core
-        self.trainer = trainer_actor_class().options(**self.placement.trainer()).remote(
-            source.path, options, device, cfg.seed, threads, cfg.deterministic)
+        if cfg.trainer_ranks > 1:  # an FSDP group, driven by an actor of its own
+            from radixray.rl.trainer_group import trainer_group_actor_class
+            ranks = [self.placement.trainer(r) for r in range(cfg.trainer_ranks)]
+            self.trainer = trainer_group_actor_class().options(num_cpus=0).remote(
+                ranks, source.path, options, device, cfg.seed, threads, cfg.deterministic)
+        else:
+            self.trainer = trainer_actor_class().options(**self.placement.trainer()).remote(
+                source.path, options, device, cfg.seed, threads, cfg.deterministic)
         self.workers = len(ray.get(self.controller.live_workers.remote()))
         self._told_off_node = False  # logged once: workers off the trainer's node
         if cfg.placement == "separate":

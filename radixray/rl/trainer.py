@@ -28,6 +28,12 @@ KL keeps its own routing); the step reports ``routing_flip_frac``, the share of 
 Weights leave through :meth:`write_shared` (colocated: a reused shared-memory file the
 workers read in place) or :meth:`broadcast` (separate: torch.distributed, rank 0).
 fp32 on CPU, bf16 on GPU. Use it directly or as a Ray actor (:func:`trainer_actor_class`).
+
+A step is :meth:`PolicyTrainer._accumulate` (forward and backward over the micro-batches,
+returning this process's part of the statistics), :meth:`PolicyTrainer._clip_and_step`
+and :func:`step_stats` (the parts merged). A sharded trainer
+(:mod:`radixray.rl.trainer_group`) runs the same three over N FSDP ranks, each rank a
+PolicyTrainer whose ``_shard`` hook wraps the model (:mod:`radixray.rl.fsdp`).
 """
 
 from __future__ import annotations
@@ -81,6 +87,30 @@ def pad_batch(samples: list[dict], device) -> dict[str, torch.Tensor]:
     return {k: v.to(device) for k, v in out.items()}
 
 
+def step_stats(parts: list[dict], grad_norm: float, tokens: int, train_s: float,
+               tis: bool = False) -> dict:
+    """The step's statistics from the parts :meth:`PolicyTrainer._accumulate` returned (one
+    per process that took part): losses summed (each is already divided by the step's
+    token count), loss statistics merged token-weighted, the logprob difference's maximum
+    and mean over every masked token; with routing replay the share of replayed routes the
+    trainer's router would have chosen otherwise; with ``tis`` the TIS statistics."""
+    stats = [st for p in parts for st in p["stats"]]
+    merged = merge_stats(stats) if stats else None
+    count = sum(p["diff_count"] for p in parts)
+    replayed = sum(p.get("replayed", 0) for p in parts)
+    extra = {"routing_flip_frac": sum(p.get("flips", 0) for p in parts) / replayed} \
+        if replayed else {}
+    if tis and merged:
+        extra.update(tis_clip_frac=merged.tis_clip_frac, mismatch_kl=merged.mismatch_kl)
+    return {**extra, "loss": sum(p["loss"] for p in parts), "grad_norm": grad_norm,
+            "clip_frac": merged.clip_frac if merged else 0.0,
+            "kl": merged.kl if merged else 0.0,
+            "ratio_max": merged.ratio_max if merged else 1.0, "tokens": tokens,
+            "logprob_abs_diff_max": max(p["diff_max"] for p in parts),
+            "logprob_abs_diff_mean": sum(p["diff_sum"] for p in parts) / count if count else 0.0,
+            "train_s": train_s}
+
+
 class _ExactValues(torch.autograd.Function):
     """``exact``'s values with ``differentiable``'s gradient: forward returns a copy of
     ``exact``, backward hands the incoming gradient to ``differentiable`` unchanged."""
@@ -111,12 +141,13 @@ class PolicyTrainer:
         torch.manual_seed(seed)
         self.device = torch.device(device)
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device)
-        self.model.eval()  # no dropout: the forward must match the engine's
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device)
+        model.eval()  # no dropout: the forward must match the engine's
         self.options = options
         self.ref = None
         if options.get("kl_coef", 0.0) > 0:
-            self.ref = copy.deepcopy(self.model).requires_grad_(False)
+            self.ref = self._shard(copy.deepcopy(model).requires_grad_(False))
+        self.model = self._shard(model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=options["learning_rate"],
                                            weight_decay=options.get("weight_decay", 0.0))
         self._shared = None
@@ -131,11 +162,16 @@ class PolicyTrainer:
             from radixray.engine.executor.scoring import SequenceScorer
             self.scorer = SequenceScorer(self.model.config)
 
-    def _exact_logprobs(self, samples: list[dict], like: torch.Tensor) -> torch.Tensor:
-        """The scorer's logprobs of ``samples`` laid out as ``like`` ([B, L-1], zero padded)."""
+    def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model as this trainer trains it: unchanged here; a rank of a sharded trainer
+        (:mod:`radixray.rl.fsdp`) shards it."""
+        return model
+
+    def _prepare_scorer(self, samples: list[dict]) -> None:
+        """Make the scorer hold the present weights and fit the step's longest sequence;
+        at the start of every step (a sharded trainer's ranks gather the weights together)."""
         from radixray.engine.executor.scoring import SequenceScorer
-        seqs = [s["prompt_ids"] + s["output_ids"] for s in samples]
-        longest = max(map(len, seqs))
+        longest = max((len(s["prompt_ids"]) + len(s["output_ids"]) for s in samples), default=0)
         if longest > self.scorer.max_tokens:
             size = 1 << (longest - 1).bit_length()
             self.scorer = SequenceScorer(self.model.config, max_tokens=size)
@@ -143,6 +179,10 @@ class PolicyTrainer:
         if not self._scorer_current:
             self.scorer.load_weights(self.named_weights().items())
             self._scorer_current = True
+
+    def _exact_logprobs(self, samples: list[dict], like: torch.Tensor) -> torch.Tensor:
+        """The scorer's logprobs of ``samples`` laid out as ``like`` ([B, L-1], zero padded)."""
+        seqs = [s["prompt_ids"] + s["output_ids"] for s in samples]
         out = torch.zeros_like(like)
         for i, lp in enumerate(self.scorer.logprobs(seqs)):
             out[i, :lp.numel()] = lp
@@ -157,23 +197,39 @@ class PolicyTrainer:
         output tokens from the rollout, advantage). Returns the loss statistics and the
         rollout-vs-train logprob difference."""
         t0 = time.perf_counter()
+        total = trained_tokens(samples)
+        micro_batches = -(-len(samples) // self.options["micro_batch_size"])
+        part = self._accumulate(samples, total, micro_batches)
+        grad_norm = self._clip_and_step()
+        return step_stats([part], grad_norm, total, time.perf_counter() - t0,
+                          tis=self.options.get("loss_correction", "none") == "tis")
+
+    def _accumulate(self, samples: list[dict], total: int, micro_batches: int) -> dict:
+        """Forward and backward over ``samples`` in ``micro_batches`` micro-batches (those
+        past the samples' end are :meth:`_idle_pass` es), the loss divided by ``total``
+        masked tokens; the gradients accumulate. Returns this process's part of the step's
+        statistics (:func:`step_stats` merges parts)."""
         opts = self.options
         mb = opts["micro_batch_size"]
-        total = trained_tokens(samples)
         diffs, stats, loss_sum = [], [], 0.0
         replayed = flips = 0
         self.optimizer.zero_grad(set_to_none=True)
-        for i in range(0, len(samples), mb):
-            batch = pad_batch(samples[i:i + mb], self.device)
+        if self.scorer is not None:
+            self._prepare_scorer(samples)
+        for i in range(0, micro_batches * mb, mb):
+            chunk = samples[i:i + mb]
+            if not chunk:
+                self._idle_pass()
+                continue
+            batch = pad_batch(chunk, self.device)
             routes = None
             if opts.get("routing_replay", True):
-                routes = batch_routes(self.model, samples[i:i + mb], batch["tokens"].shape[1],
-                                      self.device)
+                routes = batch_routes(self.model, chunk, batch["tokens"].shape[1], self.device)
             with RoutingReplay(self.model, routes) as replay:
                 logprobs = self._logprobs(self.model, batch)
             replayed, flips = replayed + replay.replayed, flips + replay.flips
             if self.scorer is not None:
-                exact = self._exact_logprobs(samples[i:i + mb], logprobs.detach())
+                exact = self._exact_logprobs(chunk, logprobs.detach())
                 logprobs = _ExactValues.apply(logprobs, exact)
             mask = batch["mask"].bool()
             diffs.append((logprobs.detach() - batch["old"])[mask].abs())
@@ -192,22 +248,23 @@ class PolicyTrainer:
             loss.backward()
             loss_sum += float(loss.detach())
             stats.append(st)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                         opts.get("max_grad_norm", 1.0)))
+        diff = torch.cat(diffs) if diffs else torch.zeros(0)
+        return {"loss": loss_sum, "stats": stats, "diff_count": diff.numel(),
+                "diff_max": float(diff.max()) if diff.numel() else 0.0,
+                "diff_sum": float(diff.double().sum()), "replayed": replayed, "flips": flips}
+
+    def _idle_pass(self) -> None:
+        """A micro-batch without samples: nothing to do in one process (a sharded trainer's
+        rank runs a forward and backward that leave the gradients as they are)."""
+
+    def _clip_and_step(self) -> float:
+        """Clip the gradients to ``max_grad_norm`` (default 1) and take the AdamW step;
+        returns the norm before clipping."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                              self.options.get("max_grad_norm", 1.0))
         self.optimizer.step()
         self._scorer_current = False
-        diff = torch.cat(diffs) if diffs else torch.zeros(0)
-        merged = merge_stats(stats) if stats else None
-        extra = {"routing_flip_frac": flips / replayed} if replayed else {}
-        if opts.get("loss_correction", "none") == "tis" and merged:
-            extra.update(tis_clip_frac=merged.tis_clip_frac, mismatch_kl=merged.mismatch_kl)
-        return {"loss": loss_sum, "grad_norm": grad_norm,
-                "clip_frac": merged.clip_frac if merged else 0.0,
-                "kl": merged.kl if merged else 0.0,
-                "ratio_max": merged.ratio_max if merged else 1.0, "tokens": total,
-                "logprob_abs_diff_max": float(diff.max()) if diff.numel() else 0.0,
-                "logprob_abs_diff_mean": float(diff.mean()) if diff.numel() else 0.0,
-                "train_s": time.perf_counter() - t0, **extra}
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def attach_fault_injector(self, injector: FaultInjector | None) -> None:
         """Tests only: :meth:`write_shared` and :meth:`broadcast` consult ``injector``
