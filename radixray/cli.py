@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         naive_server,
         overlap,
         quant_quality,
+        rl_async,
         serve_client,
         speculative,
         tensor_parallel,
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     speculative.add_parser(bench_sub)
     mixed_chunk.add_parser(bench_sub)
     tensor_parallel.add_parser(bench_sub)
+    rl_async.add_parser(bench_sub)
 
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve` re-runs itself with it

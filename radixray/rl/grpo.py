@@ -34,7 +34,7 @@ def run(cfg: GRPOConfig, output_dir: str, steps: int | None = None, job: Job | N
     os.makedirs(output_dir, exist_ok=True)
     job = job or Job(cfg)
     evaluation = held_out(job.task, cfg.held_out_prompts, cfg.seed)
-    summary = {"held_out_reward_before": job.evaluate(evaluation)}
+    summary = held_out_summary(job.answers(evaluation), "before")
     path = os.path.join(output_dir, "metrics.jsonl")
     batches = None
     try:
@@ -61,7 +61,7 @@ def run(cfg: GRPOConfig, output_dir: str, steps: int | None = None, job: Job | N
                 out.write(json.dumps(line) + "\n")
                 out.flush()
         batches.close()
-        summary["held_out_reward_after"] = job.evaluate(evaluation)
+        summary.update(held_out_summary(job.answers(evaluation), "after"))
     finally:
         if batches is not None:
             batches.close()
@@ -70,6 +70,17 @@ def run(cfg: GRPOConfig, output_dir: str, steps: int | None = None, job: Job | N
         json.dump(summary, f, indent=2)
     plot(path, os.path.join(output_dir, "reward.png"))
     return summary
+
+
+HELD_OUT_EXAMPLES = 4  # held-out answers kept in summary.json, before and after training
+
+
+def held_out_summary(answers: list[dict], when: str) -> dict:
+    """The held-out score (mean reward of greedy answers) and the first few answers' texts,
+    so a gain in format alone shows next to a gain in correctness."""
+    mean = sum(a["reward"] for a in answers) / len(answers) if answers else float("nan")
+    return {f"held_out_reward_{when}": mean,
+            f"held_out_answers_{when}": answers[:HELD_OUT_EXAMPLES]}
 
 
 def plot(metrics_path: str, out_path: str) -> None:

@@ -226,11 +226,19 @@ class Job:
 
     def evaluate(self, problems) -> float:
         """Mean reward of one greedy answer per problem."""
+        answers = self.answers(problems)
+        return sum(a["reward"] for a in answers) / len(answers) if answers else float("nan")
+
+    def answers(self, problems) -> list[dict]:
+        """One greedy answer per problem: its prompt, the expected answer, the model's text
+        (a tool episode's turns) and its reward."""
         if not problems:
-            return float("nan")
+            return []
         groups = self.rollout(problems, 1, None, {"temperature": 0.0,
                                                   "return_routed_experts": False})
-        return sum(self.reward(g.samples[0].text, g.problem) for g in groups) / len(groups)
+        return [{"prompt": g.problem.prompt, "expected": g.problem.answer,
+                 "text": g.samples[0].text, "reward": self.reward(g.samples[0].text, g.problem)}
+                for g in groups]
 
     def close(self) -> None:
         import ray
