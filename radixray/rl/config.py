@@ -142,7 +142,7 @@ class GRPOConfig(BaseModel):
     @field_validator("task")
     @classmethod
     def _known_task(cls, name: str) -> str:
-        from radixray.rl.tasks import get_task
+        from radixray.rl.registry import get_task
         get_task(name)  # ValueError naming the known tasks
         return name
 

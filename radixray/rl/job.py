@@ -70,7 +70,7 @@ class Job:
         import ray
 
         from radixray.engine.weights.loader import resolve_model
-        from radixray.rl.tasks import get_task
+        from radixray.rl.registry import get_task
         from radixray.rl.trainer import trainer_actor_class
         from radixray.serve.fleet import (
             find_controller,

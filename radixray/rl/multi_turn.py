@@ -19,7 +19,6 @@ turn ``k``'s tokens in that worker's radix cache: ``turns[k]["cached_tokens"]`` 
 
 from __future__ import annotations
 
-from radixray.rl.rollout import token_versions
 from radixray.rl.tool_tasks import Environment, ToolTask
 
 TURN_SEED_STRIDE = 1_000_003  # turn t of a sample seeded s samples with s + t * stride
@@ -58,6 +57,17 @@ def _content(tokenizer, output_ids: list[int]) -> str:
     while end and output_ids[end - 1] in special:
         end -= 1
     return tokenizer.decode(output_ids[:end], skip_special_tokens=False)
+
+
+def token_versions(meta: dict, n: int) -> list:
+    """The weight version of each of a result's ``n`` output tokens."""
+    spans = meta.get("weight_versions")
+    if not spans:
+        return [meta["weight_version"]] * n
+    out: list = []
+    for span in spans:
+        out += [span["weight_version"]] * (span["end"] - span["start"])
+    return out
 
 
 async def run_episode(generate, tokenizer, env: Environment, params: dict) -> dict:

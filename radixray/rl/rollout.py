@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from radixray.cluster.errors import unwrap_ray_error
 from radixray.cluster.router_client import RouterClient
+from radixray.rl.multi_turn import is_multi_turn, run_episode, token_versions
 from radixray.rl.tasks import Problem
 
 logger = logging.getLogger("radixray.rl")
@@ -125,17 +126,6 @@ def _aborted(out: dict) -> bool:
     return ((out["meta_info"].get("finish_reason") or {}).get("type")) == "abort"
 
 
-def token_versions(meta: dict, n: int) -> list:
-    """The weight version of each of a result's ``n`` output tokens."""
-    spans = meta.get("weight_versions")
-    if not spans:
-        return [meta["weight_version"]] * n
-    out: list = []
-    for span in spans:
-        out += [span["weight_version"]] * (span["end"] - span["start"])
-    return out
-
-
 def join_outputs(first: dict, second: dict) -> dict:
     """One result from a request and its resumption (``second`` continued ``first``'s
     tokens): outputs and logprobs concatenated, version spans joined, the second's finish."""
@@ -205,8 +195,6 @@ async def multi_turn(ctx: RolloutContext, problem: Problem, n: int,
                      params: list[dict]) -> list[Sample]:
     """The default rollout of a tool task: ``n`` episodes (:mod:`radixray.rl.multi_turn`),
     run concurrently on the group's worker."""
-    from radixray.rl.multi_turn import run_episode
-
     async def generate(ids, p):
         out = await ctx.generate(ids, p)
         check_output(out)
@@ -226,7 +214,6 @@ async def multi_turn(ctx: RolloutContext, problem: Problem, n: int,
 
 def default_rollout_function(task):
     """:func:`multi_turn` for a tool task, else :func:`single_turn`."""
-    from radixray.rl.multi_turn import is_multi_turn
     return multi_turn if is_multi_turn(task) else single_turn
 
 

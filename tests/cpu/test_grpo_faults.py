@@ -105,7 +105,7 @@ def test_a_trainer_failing_mid_update_leaves_the_old_version_serving(fleet_confi
     answers requests again."""
     from radixray.rl.batches import score
     from radixray.rl.job import Job
-    from radixray.rl.tasks import get_task
+    from radixray.rl.registry import get_task
     config, base = fleet_config
     for placement, phase in (("colocated", "write_shared"), ("separate", "broadcast")):
         job = Job(_job_config(config, placement=placement))

@@ -9,7 +9,8 @@ import pytest
 from rl_helpers import Echo, chatml_copy, length_reward
 
 from radixray.rl.multi_turn import continuation_ids, render, run_episode
-from radixray.rl.tasks import Problem, Task, get_task
+from radixray.rl.registry import get_task
+from radixray.rl.tasks import Problem, Task
 from radixray.rl.tool_tasks import Calculator, Step, calculate
 
 

@@ -12,13 +12,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from radixray.rl.registry import get_task
 from radixray.rl.tasks import (
     HELD_OUT_SHARE,
     QUESTIONS,
     TASKS,
     WORDS,
     Problem,
-    get_task,
     held_out,
     last_integer,
 )
