@@ -134,7 +134,7 @@ class LossStats:
     ratio_max: float
     tokens: int
     tis_clip_frac: float = 0.0  # share of tokens whose behaviour weight was truncated
-    mismatch_kl: float = 0.0  # mean k3 KL(proximal || behaviour) over the tokens
+    mismatch_kl: float = 0.0  # mean k3 KL(trainer || rollout) over the tokens
 
 
 def merge_stats(stats: Sequence[LossStats]) -> LossStats:
@@ -217,7 +217,9 @@ def grpo_loss(
     sampled by an older (or numerically different) policy, truncated at ``tis_cap`` to
     bound the variance. When the behaviour and proximal logprobs agree, ``w`` is 1 and the
     loss is the on-policy loss exactly. The stats report ``tis_clip_frac`` (tokens whose
-    weight was truncated) and ``mismatch_kl`` (mean k3 KL(proximal || behaviour)).
+    weight was truncated) and ``mismatch_kl``: the mean k3 KL(proximal || behaviour), or
+    without ``behaviour_logprobs`` KL(current || old), the rollout/train mismatch at a
+    step's first forward.
 
     Computes in at least fp32. The ratio is not clamped before the exp: with logprobs of
     sampled tokens the log-ratio stays far from fp32's overflow at ~88.
@@ -269,6 +271,9 @@ def grpo_loss(
         mismatch = kl_k3(torch.where(keep, old_logprobs.detach().to(dtype), 0.0),
                          torch.where(keep, behaviour_logprobs.detach().to(dtype), 0.0))
         pg = weight * pg
+    else:  # the rollout's logprobs are the old policy: the mismatch is to the current one
+        mismatch = kl_k3(torch.where(keep, logp.detach(), 0.0),
+                         torch.where(keep, old_logprobs.detach().to(dtype), 0.0))
     per_token = pg
     k3 = None
     if ref_logprobs is not None:
@@ -292,7 +297,7 @@ def grpo_loss(
             kept_ratio.sum(),
             torch.cat([kept_ratio.flatten(), zero.unsqueeze(0)]).max(),
             truncated.sum().to(dtype) if truncated is not None else zero,
-            torch.where(keep, mismatch, 0.0).sum() if mismatch is not None else zero,
+            torch.where(keep, mismatch, 0.0).sum(),
         ]).tolist()  # one device sync for all the stats
     n = max(n_tokens, 1)
     stats = LossStats(

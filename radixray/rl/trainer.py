@@ -100,8 +100,10 @@ def step_stats(parts: list[dict], grad_norm: float, tokens: int, train_s: float,
     replayed = sum(p.get("replayed", 0) for p in parts)
     extra = {"routing_flip_frac": sum(p.get("flips", 0) for p in parts) / replayed} \
         if replayed else {}
+    if merged:
+        extra["mismatch_kl"] = merged.mismatch_kl
     if tis and merged:
-        extra.update(tis_clip_frac=merged.tis_clip_frac, mismatch_kl=merged.mismatch_kl)
+        extra["tis_clip_frac"] = merged.tis_clip_frac
     return {**extra, "loss": sum(p["loss"] for p in parts), "grad_norm": grad_norm,
             "clip_frac": merged.clip_frac if merged else 0.0,
             "kl": merged.kl if merged else 0.0,
