@@ -131,7 +131,23 @@ def _respond(result, rid: str | None = None, header_rid: str | None = None):
     headers = {REQUEST_ID_HEADER: rid} if isinstance(rid, str) and header_rid is None else None
     if isinstance(result, (dict, list)):
         return JSONResponse(result, headers=headers)
-    return StreamingResponse(result, media_type="text/event-stream", headers=headers)
+    return ClosingStreamingResponse(result, media_type="text/event-stream", headers=headers)
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A streaming response that closes its body iterator however it ends. A client that
+    goes away cancels the response, often while it is sending a chunk rather than pulling
+    the next one from the stream; the stream, suspended at its ``yield``, would then be
+    closed only when garbage-collected, and its request would keep running (and holding
+    its KV) on the worker until then. Closing it at once aborts the request."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
 @serve.ingress(app)
