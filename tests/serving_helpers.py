@@ -144,3 +144,18 @@ def _wait_disconnect_abort(base: str, before: str, headers: dict | None) -> None
             break
         time.sleep(0.1)
     assert aborted == 1, f"{aborted} requests counted as aborted"
+
+
+@contextmanager
+def local_ray(num_cpus: int = 2):
+    """A local Ray on loopback with a small object store (the RL jobs' tests); yields the GCS
+    address, as RAY_ADDRESS takes it."""
+    import ray
+    os.environ.update(RAY_ENV)
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=num_cpus,
+             object_store_memory=256 * 1024 ** 2, include_dashboard=False,
+             namespace="radixray", log_to_driver=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
 import time
 
 import pytest
 import torch
-from serving_helpers import RAY_ENV
+from serving_helpers import local_ray
 
 from radixray.cluster.config import ConfigError
 from radixray.rl.config import GRPOConfig
@@ -103,12 +102,8 @@ def test_async_configs_are_checked():
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    import ray
-    os.environ.update(RAY_ENV)
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=2, object_store_memory=256 * 1024 ** 2,
-             include_dashboard=False, namespace="radixray", log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
+    with local_ray(num_cpus=2) as address:
+        yield address
 
 
 def _cfg(model_dir: str, **over) -> GRPOConfig:

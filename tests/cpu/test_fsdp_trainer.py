@@ -6,12 +6,11 @@ with trainer_ranks: 2 learns the toy task with rollout and train logprobs equal 
 from __future__ import annotations
 
 import json
-import os
 import random
 
 import pytest
 import torch
-from serving_helpers import RAY_ENV
+from serving_helpers import local_ray
 
 from radixray.cluster.config import ConfigError
 from radixray.rl.config import GRPOConfig
@@ -22,13 +21,9 @@ OPTIONS = {"learning_rate": 1e-3, "weight_decay": 0.01, "kl_coef": 0.05, "clip_l
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    import ray
-    os.environ.update(RAY_ENV)
     # 3 CPUs: the separate-placement job's two trainer ranks take one each, its worker one
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=3, object_store_memory=256 * 1024 ** 2,
-             include_dashboard=False, namespace="radixray", log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
+    with local_ray(num_cpus=3) as address:
+        yield address
 
 
 def _samples(trainer, n: int, seed: int) -> list[dict]:

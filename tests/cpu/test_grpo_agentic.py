@@ -11,19 +11,15 @@ import sys
 
 import pytest
 from rl_helpers import chatml_copy
-from serving_helpers import RAY_ENV
+from serving_helpers import RAY_ENV, local_ray
 
 from radixray.rl.config import GRPOConfig
 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    import ray
-    os.environ.update(RAY_ENV)
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=2, object_store_memory=256 * 1024 ** 2,
-             include_dashboard=False, namespace="radixray", log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
+    with local_ray(num_cpus=2) as address:
+        yield address
 
 
 def _cfg(model_dir: str, **over) -> GRPOConfig:
