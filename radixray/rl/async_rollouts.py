@@ -96,7 +96,7 @@ class AsyncBatches:
         problem = self._problems[step][j]
         self._busy(+1)
         try:
-            group = await self.job.rollouts._group(
+            group = await self.job.rollouts.group(
                 problem, cfg.group_size, sample_seed(cfg, step) + j * cfg.group_size, None)
             rewards = [self.reward(s.text, problem) for s in group.samples]
         except asyncio.CancelledError:

@@ -235,19 +235,18 @@ class RolloutManager:
         self.rollout_function = rollout_function or default_rollout_function(task)
         self.resume_aborted = resume_aborted
 
-    def prompt_ids(self, problem: Problem) -> list[int]:
-        return prompt_ids(self.tokenizer, problem)
-
     async def rollout(self, problems: list[Problem], n: int, seed: int | None = None,
                       sampling: dict | None = None) -> list[Group]:
         """One group of ``n`` samples per problem, all groups at once. ``seed`` makes each
         sample's sampling reproducible (sample j of group i gets ``seed + i * n + j``)."""
         return list(await asyncio.gather(*(
-            self._group(p, n, None if seed is None else seed + i * n, sampling)
+            self.group(p, n, None if seed is None else seed + i * n, sampling)
             for i, p in enumerate(problems))))
 
-    async def _group(self, problem: Problem, n: int, seed: int | None,
-                     sampling: dict | None) -> Group:
+    async def group(self, problem: Problem, n: int, seed: int | None,
+                    sampling: dict | None) -> Group:
+        """One group of ``n`` samples of ``problem`` on one worker (``seed``: sample j gets
+        ``seed + j``), resampled whole elsewhere if its worker fails."""
         params = {**self.sampling, **(sampling or {})}
         per_sample = [params if seed is None else {**params, "seed": seed + j} for j in range(n)]
         key = problem.prompt  # the router's affinity key: one problem, one worker

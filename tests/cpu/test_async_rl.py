@@ -133,7 +133,7 @@ def test_a_weight_update_mid_generation_leaves_two_version_spans(ray_cluster, ti
         box = {}
 
         def roll():
-            box["group"] = asyncio.run(job.rollouts._group(
+            box["group"] = asyncio.run(job.rollouts.group(
                 Problem("t", "Say something long.", ""), 2, 5,
                 {"max_new_tokens": 900, "ignore_eos": True}))
         thread = threading.Thread(target=roll)
