@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     off.set_defaults(func=cmd_bench_offline)
     from radixray.bench import (
         cache_experiment,
+        default_quality,
         expert_parallel,
         hicache,
         kernels,
@@ -109,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     cache_experiment.add_parser(bench_sub)
     naive_server.add_parser(bench_sub)
     quant_quality.add_parser(bench_sub)
+    default_quality.add_parser(bench_sub)
     overlap.add_parser(bench_sub)
     vs_hf.add_parser(bench_sub)
     weight_update.add_parser(bench_sub)

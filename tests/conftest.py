@@ -8,6 +8,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Most tests compare with Hugging Face's fp32 outputs: engines here default to exact=true
+# (engine/precision.py); test_default_precision.py tests the fast default itself.
+os.environ["RADIXRAY_EXACT"] = "1"
 # Ray's dashboard probes cloud metadata (HTTP to 169.254.169.254, DNS for
 # metadata.google.internal) and may report usage to usage-stats.ray.io: traced in
 # docs/multinode.md. Every HTTP(S) proxy points at a loopback port nothing listens on (the

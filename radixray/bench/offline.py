@@ -76,15 +76,16 @@ def run_offline_bench(args, engine_options: dict) -> dict:
     cost = ModelCost.of(facts.module, facts.kv_bytes_per_token)
     dtype = facts.dtype
     results: dict = {"model": args.model, "dtype": str(dtype).removeprefix("torch."),
-                     "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-                     "quantize_lm_head": args.quantize_lm_head,
+                     "quantization": facts.quantization, "kv_cache_dtype": facts.kv_cache_dtype,
+                     "precision": facts.precision,
+                     "quantize_lm_head": facts.quantize_lm_head,
                      "threads": torch.get_num_threads(), "context_len": args.context_len,
                      "decode_steps": args.decode_steps, "weight_bytes": cost.weight_bytes}
     try:
         with tqdm(total=3 + len(batch_sizes), desc="bench offline", unit="stage") as bar:
             bw = measure_read_bandwidth()
             # int8 layers: the compute ceiling is the int8 GEMM rate (attention stays in dtype)
-            gemm = measure_gemm_flops(dtype=torch.int8 if args.quantization else dtype)
+            gemm = measure_gemm_flops(dtype=torch.int8 if facts.quantization else dtype)
             results.update(bandwidth_gbs=bw / 1e9, gemm_tflops=gemm / 1e12)
             bar.update(1)
             decode_step_seconds(engine, 1, args.context_len, 4, seed=0)  # warm-up

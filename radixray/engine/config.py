@@ -34,11 +34,16 @@ class EngineConfig:
     kv_cache_dtype: str = option("auto", "KV pool element type (auto: the model's; bfloat16 "
                                  "halves its bytes, fp8_e5m2 quarters them against fp32, at "
                                  "some quality cost)", choices=KV_CACHE_DTYPES)
-    quantization: str | None = option(None, "w8a8_int8: int8 weights and activations for the "
-                                      "linear layers (CPU; faster, outputs close to but not "
-                                      "equal to the unquantized model's)", choices=QUANTIZATIONS)
+    quantization: str | None = option(
+        "auto", "auto: on CPUs with the C++ int8 kernels, int8 weights and activations (lm_head "
+        "included) and an fp8_e5m2 KV cache, the measured fast default (its quality cost: "
+        "docs/quantization.md), elsewhere none; w8a8_int8: int8 linear layers; None: none",
+        choices=("auto",) + QUANTIZATIONS)
     quantize_lm_head: bool = option(False, "with w8a8_int8: the lm_head too (faster decode at "
                                     "batch, some quality cost: see bench quant-quality)")
+    exact: bool = option(False, "the unquantized path (quantization auto becomes none; fp32 "
+                         "on CPUs): greedy output equal to Hugging Face's, slower on CPUs "
+                         "(engine/precision.py)")
     mem_fraction_static: float = option(0.3, "share of available memory for weights + KV pool",
                                         gt=0.0, lt=1.0)
     max_total_tokens: int | None = option(None, "KV pool size in tokens (overrides "
@@ -92,6 +97,12 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = option(None, "the largest decode batch run through a CUDA "
                                            "graph (default: sized from the device's memory)",
                                            ge=1)
+    enable_torch_compile: bool = option(
+        False, "CPU: run decode steps through torch.compile (inductor; the C++ kernels kept "
+        "as its ops): the same logits, less Python per step; compiled at start-up, cached "
+        "across restarts (engine/executor/compiled_decode.py)")
+    torch_compile_max_bs: int = option(32, "with enable_torch_compile: the largest decode "
+                                       "batch run compiled (larger ones run eagerly)", ge=1)
     cpu_kernels: bool = option(True, "fused C++ kernels for fp32 on CPU (torch ops otherwise)")
     decode_log_interval: int = option(40, "decode steps between two decode log lines", ge=1)
     stream_interval: int = option(1, "decode steps between a request's streamed updates "
@@ -202,13 +213,16 @@ class EngineConfig:
         if self.quantize_lm_head and self.quantization != "w8a8_int8":
             raise ValueError("quantize_lm_head needs quantization='w8a8_int8', got "
                              f"quantization={self.quantization!r}")
+        if self.exact and self.quantization not in (None, "auto"):
+            raise ValueError(f"exact=true runs unquantized, got quantization="
+                             f"{self.quantization!r}: drop one of them")
         check_speculative(self)
 
     def _check_deterministic(self) -> None:
         """Deterministic mode runs the batch-invariant CPU kernels: fp32 weights and KV pool,
         no int8; ValueError naming the first option that conflicts."""
         wanted = {"device": ("cpu",), "dtype": ("auto", "float32"), "kv_cache_dtype": ("auto",),
-                  "quantization": (None,), "cpu_kernels": (True,),
+                  "quantization": (None, "auto"), "cpu_kernels": (True,),
                   "attention_backend": ("auto", "cpu_batch_invariant")}
         for name, allowed in wanted.items():
             value = getattr(self, name)

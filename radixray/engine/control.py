@@ -143,6 +143,10 @@ class ModelFacts:
     dtype: Any  # torch.dtype of the activations
     kv_bytes_per_token: int
     vocab_size: int
+    precision: str = ""  # what quantization="auto" became and why (engine/precision.py)
+    quantization: str | None = None  # as resolved: what runs
+    kv_cache_dtype: str = "auto"  # as resolved
+    quantize_lm_head: bool = False  # as resolved
 
 
 @dataclass

@@ -336,8 +336,7 @@ class Engine:
 
     # ---- measurement (benchmarks) ------------------------------------------------------
     def model_facts(self) -> ModelFacts:
-        return ModelFacts(self.runner.model, self.runner.dtype, self.runner.bytes_per_token,
-                          self.runner.vocab_size)
+        return self.runner.facts()
 
     @contextlib.contextmanager
     def profiling(self, profiler) -> Iterator:

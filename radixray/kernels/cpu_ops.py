@@ -23,6 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from radixray.kernels.fake_ops import register_fake_ops
+
 logger = logging.getLogger(__name__)
 
 SMALL_M_MAX = 64  # up to this many rows the C++ linear beats the BLAS path here (docs/benchmarks.md)
@@ -57,6 +59,7 @@ def load_extension():
                     _compile(csrc, build_dir)
                 torch.ops.load_library(os.path.join(build_dir, LIBRARY))
             _ext = torch.ops.radixray
+            register_fake_ops()  # torch.compile traces through the ops (fake_ops.py)
             logger.info("radixray CPU kernels ready in %.1f s", time.perf_counter() - t0)
         except Exception as exc:  # no compiler / headers: stay correct, just slower
             logger.warning("radixray CPU kernels unavailable (%s); using torch ops", exc)

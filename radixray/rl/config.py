@@ -96,8 +96,9 @@ class GRPOConfig(BaseModel):
     seed: int = Field(0, ge=0)
     fleet: ServeConfig = Field(default_factory=ServeConfig, description="the fleet the "
                                "rollouts run on, as a serve config (engine, server, fleet, "
-                               "router sections); engine.model defaults to ``model`` and "
-                               "engine.deterministic to ``deterministic``")
+                               "router sections); engine.model defaults to ``model``, "
+                               "engine.deterministic to ``deterministic`` and engine.exact "
+                               "to true unless engine.quantization is set")
 
     @model_validator(mode="before")
     @classmethod
@@ -109,6 +110,8 @@ class GRPOConfig(BaseModel):
         fields = cls.model_fields
         job = {"model": data.get("model", fields["model"].default),
                "deterministic": data.get("deterministic", fields["deterministic"].default)}
+        if "quantization" not in (data.get("fleet", {}).get("engine") or {}):
+            job["exact"] = True  # rollouts sample the policy the trainer trains (fp32)
         if data.get("routing_replay", True) and _is_moe_folder(job["model"]):
             job["enable_return_routed_experts"] = True  # the cached prefix's routes too
         return {**data, "fleet": merge({"engine": job}, data.get("fleet", {}))}

@@ -31,7 +31,11 @@ import time
 
 import torch
 
-from radixray.engine.executor.forward_batch import ForwardBatch, ForwardMode
+from radixray.engine.executor.forward_batch import (
+    ForwardBatch,
+    ForwardMode,
+    LargestDecodeBatch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -87,20 +91,12 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> its logits, written by replay
         self.pool = None  # the graphs' shared memory pool
         self.released = False  # the cuda_graph memory tag
-        self._warned_over = False  # logged once: a decode batch above the largest bucket
+        self.largest = LargestDecodeBatch(self.max_bs, "a decode batch of %d requests runs "
+                                          "eagerly: the largest CUDA graph bucket is %d (raise "
+                                          "cuda_graph_max_bs to capture more)", logger)
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        if (self.released or batch.mode is not ForwardMode.DECODE or batch.num_decode
-                or batch.route_captures or batch.prompt_rows is not None):
-            return False
-        if batch.batch_size > self.max_bs:
-            if not self._warned_over:
-                self._warned_over = True
-                logger.info("a decode batch of %d requests runs eagerly: the largest CUDA "
-                            "graph bucket is %d (raise cuda_graph_max_bs to capture more)",
-                            batch.batch_size, self.max_bs)
-            return False
-        return True
+        return not self.released and batch.plain_decode and self.largest.admits(batch)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.sizes if b >= n)

@@ -62,6 +62,13 @@ class ForwardBatch:
         self.out_cache_loc = self.out_cache_loc.to(device, non_blocking=True)
 
     @property
+    def plain_decode(self) -> bool:
+        """A decode batch with nothing beside its tokens (no riders' extends, no routes or
+        prompt rows to keep): what a captured or compiled decode step can run."""
+        return (self.mode is ForwardMode.DECODE and not self.num_decode
+                and not self.route_captures and self.prompt_rows is None)
+
+    @property
     def batch_size(self) -> int:
         return len(self.seq_lens)
 
@@ -77,3 +84,20 @@ class ForwardBatch:
             return torch.arange(self.batch_size, device=device)
         ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0)
         return (ends - 1).to(device)
+
+
+class LargestDecodeBatch:
+    """The most requests a captured or compiled decode step takes; the first larger batch is
+    logged once with ``message % (its size, max_bs)`` (it runs eagerly)."""
+
+    def __init__(self, max_bs: int, message: str, logger):
+        self.max_bs, self.message, self.logger = max_bs, message, logger
+        self._warned = False
+
+    def admits(self, batch: ForwardBatch) -> bool:
+        if batch.batch_size <= self.max_bs:
+            return True
+        if not self._warned:
+            self._warned = True
+            self.logger.info(self.message, batch.batch_size, self.max_bs)
+        return False

@@ -9,8 +9,10 @@ import torch
 
 from radixray.engine.attention import create_attention_backend
 from radixray.engine.config import EngineConfig
+from radixray.engine.control import ModelFacts
 from radixray.engine.ep.eplb import model_expert_options
 from radixray.engine.ep.group import join_ep_group
+from radixray.engine.executor.compiled_decode import build_compiled_decode
 from radixray.engine.executor.cuda_graph import build_decode_graphs
 from radixray.engine.executor.forward_batch import ForwardBatch, ForwardMode
 from radixray.engine.executor.prompt_logprobs import compute_prompt_logprobs, plan_prompt_rows
@@ -23,6 +25,7 @@ from radixray.engine.mem_cache.pool import (
 )
 from radixray.engine.models import model_class_for
 from radixray.engine.models.routed_experts import SlotRoutes, record_routes
+from radixray.engine.precision import resolve_precision
 from radixray.engine.request import Req
 from radixray.engine.speculative.options import speculative_running_rows
 from radixray.engine.tp.launch import join_tp_group
@@ -89,6 +92,8 @@ class ModelRunner:
         joined once the options are known to suit the model. ``tp_rank`` /
         ``tp_init_method``: the same for tp_size > 1 (``self.tp``, engine/tp/); rank 0
         without a rendezvous starts its follower ranks as local processes."""
+        # quantization="auto" becomes what runs here (engine/precision.py)
+        config, self.precision_reason = resolve_precision(config, source.config)
         self.config = config
         self.device = config.device
         if self.device != "cpu" and not torch.cuda.is_available():
@@ -175,12 +180,14 @@ class ModelRunner:
             attn.attn = self.attn_backend
         self.last_step_graphed = False  # the decode log line's "cuda graph"
         self.decode_graphs, graphs_note = build_decode_graphs(self, config)
+        self.compiled_decode, compiled_note = build_compiled_decode(self, config)
         self.slot_routes = None  # enable_return_routed_experts (engine/models/routed_experts.py)
         if config.enable_return_routed_experts:
             moe = self.model.moe
             self.slot_routes = SlotRoutes(self.max_total_tokens + 1, len(moe.sparse_layers),
                                           moe.top_k, moe.num_experts)
 
+        logger.info("precision: %s", self.precision_reason)
         logger.info(
             "Model %s loaded in %.1f s: dtype=%s (%s), quantization=%s (%d linear layers, lm_head %s), "
             "%d layers, %d kv heads, head_dim %d%s",
@@ -201,6 +208,10 @@ class ModelRunner:
         logger.info("decode CUDA graphs: %s", graphs_note)
         if self.decode_graphs is not None:
             self.decode_graphs.capture_all()
+        if config.device == "cpu":
+            logger.info("compiled decode: %s", compiled_note)
+        if self.compiled_decode is not None:
+            self.compiled_decode.compile_all()
 
     # ---- batches ---------------------------------------------------------------------
     def build_extend_batch(self, items: list[tuple[Req, int]], slots: list[torch.Tensor]) -> ForwardBatch:
@@ -290,8 +301,18 @@ class ModelRunner:
         self.last_step_graphed = graphs is not None and graphs.can_run(batch)
         if self.last_step_graphed:
             return graphs.run(batch)
+        compiled = self.compiled_decode
+        if compiled is not None and compiled.can_run(batch):
+            return compiled.run(batch)
         self.attn_backend.init_forward_metadata(batch)
         return self.model(batch)
+
+    def facts(self) -> ModelFacts:
+        """What measurements need to know of the served model (``Engine.model_facts``)."""
+        c = self.config
+        return ModelFacts(self.model, self.dtype, self.bytes_per_token, self.vocab_size,
+                          self.precision_reason, c.quantization, c.kv_cache_dtype,
+                          c.quantize_lm_head)
 
     def weights_moved(self) -> None:
         """The weights' or the KV pool's tensors changed (a weight update's commit or

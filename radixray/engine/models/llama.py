@@ -160,6 +160,11 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.logits(batch)
+
+    def logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """:meth:`forward` without entering inference mode: what torch.compile traces (its
+        caller is in inference mode already; engine/executor/compiled_decode.py)."""
         x, residual = self.embed_tokens(batch.input_ids), None
         for layer in self.layers:
             x, residual = layer(batch.positions, x, batch, residual)

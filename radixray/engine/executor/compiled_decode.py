@@ -1,0 +1,148 @@
+"""Compiled decode on the CPU (``enable_torch_compile``): the decode forward through torch.compile.
+
+On the CPU a small decode step is hundreds of small torch ops (views, slices, casts
+between the fused kernels) each dispatched from Python; CUDA graphs remove that on a GPU
+(engine/executor/cuda_graph.py). Here torch.compile traces the model's decode forward
+once and inductor turns it into one generated function: the C++ kernels stay single
+opaque calls (their shapes come from kernels/fake_ops.py), the glue between them is fused
+or disappears, and the per-op Python is gone. The kernels compute what they compute
+eagerly, so a compiled step's logits are the eager step's, bit for bit
+(tests/cpu/test_compiled_decode.py).
+
+Two graphs cover every decode batch up to ``torch_compile_max_bs`` requests: batch 1
+(torch specializes size-1 dimensions) and any batch from 2 up, traced with a symbolic
+batch size. Both take the context length as a symbolic size too, so neither is traced
+again as requests grow. A larger batch, an extend or mixed batch, or one that records
+routes runs eagerly; the first such batch is logged with the reason. Both graphs are
+compiled at start-up (the log says how long) into inductor's cache under
+``~/.cache/radixray/inductor`` (``RADIXRAY_CACHE_DIR``), which a restart reuses.
+
+Weights and the KV pool are read through the modules on every call (inductor's freezing
+is off), so a weight update's commit or a memory release needs nothing here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from radixray.engine.executor.forward_batch import (
+    ForwardBatch,
+    ForwardMode,
+    LargestDecodeBatch,
+)
+
+logger = logging.getLogger(__name__)
+
+# The two warm-up batches' context length: above 1, which torch would specialize on.
+_WARMUP_LEN = 2
+
+
+def compile_unavailable(runner, config) -> str | None:
+    """Why decode steps are not compiled on ``runner`` (None: they can be)."""
+    if not config.enable_torch_compile:
+        return "off (enable_torch_compile=false)"
+    if str(runner.device) != "cpu":
+        return f"device {runner.device}: CUDA decode uses CUDA graphs instead"
+    if runner.attn_backend.name != "cpu_paged":
+        return f"attention backend {runner.attn_backend.name!r} (compiled decode runs cpu_paged)"
+    if not runner.kernels.active:
+        return "the C++ kernels did not load (the compiled step keeps them as its ops)"
+    if config.deterministic:
+        return "deterministic mode runs its batch-invariant kernels eagerly"
+    if runner.routes_experts:
+        return "a mixture-of-experts model dispatches its tokens on the host"
+    if runner.tp.size > 1:
+        return "tensor parallelism (the followers run eagerly)"
+    return None
+
+
+def inductor_cache_dir() -> str:
+    """Where inductor keeps compiled code across restarts (set before the first compile)."""
+    root = os.environ.get("RADIXRAY_CACHE_DIR", os.path.expanduser("~/.cache/radixray"))
+    return os.path.join(root, "inductor")
+
+
+def use_inductor_cache(path: str) -> None:
+    """Point inductor's cache at ``path`` unless the user chose a folder of their own
+    (``TORCHINDUCTOR_CACHE_DIR`` set to anything but torch's per-user temporary default)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+
+
+class CompiledDecode:
+    """The compiled decode forward of one model runner (see the module docstring)."""
+
+    def __init__(self, runner, max_bs: int):
+        self.runner = runner
+        self.max_bs = max_bs
+        use_inductor_cache(inductor_cache_dir())
+        # One graph per (batch 1, batch > 1) and per weight layout a session may swap in.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
+        self.forward = torch.compile(self._decode_forward, fullgraph=True, dynamic=False)
+        self.largest = LargestDecodeBatch(max_bs, "a decode batch of %d requests runs eagerly: "
+                                          "the compiled decode step covers up to %d (raise "
+                                          "torch_compile_max_bs to cover more)", logger)
+
+    def _decode_forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.runner.model.logits(batch)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return batch.plain_decode and self.largest.admits(batch)
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """The logits of ``batch`` (a decode batch :meth:`can_run` accepted); the attention
+        backend's metadata is built eagerly first, as for an eager step."""
+        self.runner.attn_backend.init_forward_metadata(batch)
+        self._mark_dynamic(batch)
+        return self.forward(batch)
+
+    @staticmethod
+    def _mark_dynamic(batch: ForwardBatch) -> None:
+        """Tell the tracer which sizes vary: the context length always, the batch size from
+        two requests up (the same marks on every call, so the same graph serves them)."""
+        meta = batch.attn_metadata
+        torch._dynamo.maybe_mark_dynamic(meta["kv_indices"], 1)
+        if batch.batch_size > 1:
+            for t in (batch.input_ids, batch.positions, batch.out_cache_loc,
+                      meta["kv_indices"], meta["seq_lens"]):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+
+    def compile_all(self) -> None:
+        """Trace and compile both graphs now, on padding batches (slot 0 through request
+        table row 0, as CUDA graph capture uses them), and log the time it took."""
+        from radixray.common.progress import Ticker
+        t0 = time.perf_counter()
+        sizes = [1, 2] if self.max_bs > 1 else [1]
+
+        def message(elapsed: float) -> str:
+            return f"compiling the decode step (torch.compile, inductor): {elapsed:.0f} s"
+        batches = [padding_batch(bs) for bs in sizes]  # built as the scheduler builds them:
+        with Ticker(message, logger, 10.0), torch.inference_mode():  # outside inference mode
+            for batch in batches:
+                self.run(batch)
+        logger.info("compiled the decode step for batch sizes 1..%d in %.1f s (inductor "
+                    "cache: %s)", self.max_bs, time.perf_counter() - t0,
+                    os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+
+def padding_batch(bs: int) -> ForwardBatch:
+    """``bs`` decode rows that read and write only the pool's padding slot 0."""
+    zeros = torch.zeros(bs, dtype=torch.int64)
+    return ForwardBatch(mode=ForwardMode.DECODE, input_ids=zeros, positions=zeros.clone(),
+                        out_cache_loc=zeros.clone(), req_rows=zeros.clone(),
+                        prefix_lens=[_WARMUP_LEN - 1] * bs, extend_lens=[1] * bs,
+                        seq_lens=[_WARMUP_LEN] * bs)
+
+
+def build_compiled_decode(runner, config) -> tuple[CompiledDecode | None, str]:
+    """The runner's compiled decode step, or None, and what the log says about it."""
+    reason = compile_unavailable(runner, config)
+    if reason is not None:
+        return None, reason
+    max_bs = min(config.torch_compile_max_bs, runner.max_running_requests)
+    return CompiledDecode(runner, max_bs), f"batch sizes 1..{max_bs}"
