@@ -158,12 +158,17 @@ def probe_texts(args: argparse.Namespace, tokenizer) -> list:
     return [build_prompt(args.api, item, 0, []) for item in items]
 
 
-async def _probe(url: str, model: str, api: str, prompts: list) -> list[int | None]:
+async def _probe(label: str, url: str, model: str, api: str, prompts: list) -> list[int | None]:
+    """Each prompt's ``usage.prompt_tokens`` from a one-token request; None where the
+    server did not report it or the request failed (said on stderr)."""
     import httpx
     endpoint = url.rstrip("/") + ENDPOINTS[api]
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0)) as client:
         outs = [await stream_request(client, endpoint, request_body(api, model, p, 1))
                 for p in prompts]
+    for out in outs:
+        if not out.success:
+            print(f"warning: a {label} probe request failed: {out.error}", file=sys.stderr)
     return [o.prompt_tokens for o in outs]
 
 
@@ -215,7 +220,7 @@ def run_side(label: str, plan: dict, args: argparse.Namespace, tokenizer,
     """Reach (or start) one server, probe its prompt token counts, run the sweep, stop it."""
     with reach(label, plan, args) as (url, server):
         model = get_model_id(url)
-        counts = asyncio.run(_probe(url, model, args.api, probes))
+        counts = asyncio.run(_probe(label, url, model, args.api, probes))
         summaries = run_sweep(args, label, url, model, tokenizer)
         return {"url": url, "model": model, "command": server.command if server else None,
                 "log": server.log_path if server else None,
