@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     off.set_defaults(func=cmd_bench_offline)
     from radixray.bench import (
         cache_experiment,
+        compare,
         default_quality,
         expert_parallel,
         hicache,
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         weight_update,
     )
     serve_client.add_parser(bench_sub)
+    compare.add_parser(bench_sub)
     kernels.add_parser(bench_sub)
     kv_transfer.add_parser(bench_sub)
     cache_experiment.add_parser(bench_sub)

@@ -147,6 +147,27 @@ def _wait_disconnect_abort(base: str, before: str, headers: dict | None) -> None
 
 
 @contextmanager
+def uvicorn_in_thread(app, timeout: float = 30) -> Iterator[str]:
+    """Serve the ASGI ``app`` with uvicorn in a daemon thread on a free loopback port; yield
+    its base URL once it listens, and stop it afterwards."""
+    import threading
+
+    import uvicorn
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not uv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{uv.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=10)
+
+
+@contextmanager
 def local_ray(num_cpus: int = 2):
     """A local Ray on loopback with a small object store (the RL jobs' tests); yields the GCS
     address, as RAY_ADDRESS takes it."""

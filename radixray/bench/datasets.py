@@ -248,6 +248,21 @@ def build_from_args(args: argparse.Namespace, tokenizer) -> list[Conversation]:
     raise ValueError(f"--dataset: unknown dataset {args.dataset!r}")
 
 
+def sweep_point(args: argparse.Namespace, point: int, num: int | None, tokenizer,
+                ) -> tuple[list[Conversation], list[Conversation] | None]:
+    """(measured items, warm-up items or None) of sweep point ``point``.
+
+    Each point gets its own prompts (seed + point), so a prefix cache never serves one
+    point from another; the random dataset's warm-ups are extra prompts of their own.
+    """
+    point_args = argparse.Namespace(**{**vars(args), "seed": args.seed + point})
+    if args.dataset != "random":
+        return build_from_args(point_args, tokenizer), None
+    point_args.num_prompts = (1000 if num is None else num) + args.warmup
+    items = build_from_args(point_args, tokenizer)
+    return items[args.warmup:], items[:args.warmup]
+
+
 def load_tokenizer(name: str):
     """``"default"`` (the radixray default model's tokenizer), a model folder, or a tokenizer folder/id."""
     import os

@@ -329,6 +329,58 @@ def json_safe(obj):
     return obj
 
 
+def sweep_points(args: argparse.Namespace) -> list[tuple[int | None, int | None]]:
+    """(max concurrency, prompt count) of each run of ``args``'s sweep, in order.
+
+    Raises ValueError when ``--sweep-num-prompts`` does not give one count per ``--sweep`` value.
+    """
+    concurrencies = args.sweep or [getattr(args, "max_concurrency", None)]
+    prompt_counts = args.sweep_num_prompts or [args.num_prompts] * len(concurrencies)
+    if len(prompt_counts) != len(concurrencies):
+        raise ValueError("--sweep-num-prompts needs one count per --sweep value")
+    return list(zip(concurrencies, prompt_counts))
+
+
+def run_sweep(args: argparse.Namespace, label: str, url: str, model: str, tokenizer, *,
+              policy: str | None = None, loopback: float | None = None, jsonl=None) -> list[dict]:
+    """Every point of :func:`sweep_points` against one server; one summary per point.
+
+    The same ``args``, seed and tokenizer give every server the same prompts. Each
+    summary is printed as it completes; ``jsonl`` (an open file) gets one line per request.
+    """
+    def count(text: str) -> int:
+        return datasets.count_tokens(tokenizer, text)
+
+    slo = dict(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+    summaries = []
+    for point, (conc, num) in enumerate(sweep_points(args)):
+        if policy is not None:
+            server_side.prepare_policy_run(url, policy)
+        items, warm_items = datasets.sweep_point(args, point, num, tokenizer)
+        cfg = RunConfig(base_url=url, model=model, api=args.api, label=label,
+                        max_concurrency=conc, request_rate=args.request_rate,
+                        seed=args.seed, warmup=args.warmup, ignore_eos=args.ignore_eos,
+                        temperature=args.temperature, request_timeout=args.request_timeout,
+                        progress=not args.disable_tqdm, session_header=args.session_header)
+        before = server_side.scrape(url)
+        records, duration = asyncio.run(run_benchmark(cfg, items, count, warm_items))
+        summary = summarize(records, duration, label=label, request_rate=args.request_rate,
+                            max_concurrency=conc, **slo)
+        summary.update(server_side.run_delta(before, server_side.scrape(url)))
+        if args.dataset == "interference":
+            from radixray.bench import interference
+            summary.update(interference.class_stats(records, {it.index: it.group for it in items}))
+            summary.update(interference.transfer_fields(summary, loopback))
+        if policy is not None:
+            summary["router_policy"] = policy
+        summaries.append(summary)
+        print(format_summary(summary), flush=True)
+        if jsonl:
+            jsonl.writelines(json.dumps(r.to_json()) + "\n" for r in records)
+            jsonl.flush()
+    return summaries
+
+
 def run_serve_bench(args: argparse.Namespace) -> int:
     """Run every (target, concurrency) pair of ``args`` in turn; print and write the results.
 
@@ -342,21 +394,16 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     else:
         targets = [(label, url, None) for label, url in targets]
     try:
+        sweep_points(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
         models = {label: get_model_id(url, args.model) for label, url, _ in targets}
     except ServerUnreachable as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     tokenizer = datasets.load_tokenizer(args.tokenizer)
-
-    def count(text: str) -> int:
-        return datasets.count_tokens(tokenizer, text)
-
-    concurrencies = args.sweep or [args.max_concurrency]
-    prompt_counts = args.sweep_num_prompts or [args.num_prompts] * len(concurrencies)
-    if len(prompt_counts) != len(concurrencies):
-        print("error: --sweep-num-prompts needs one count per --sweep value", file=sys.stderr)
-        return 2
-    slo = dict(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
     loopback = None
     if args.loopback_tcp:
         from radixray.bench.loopback import tcp_loopback_rate
@@ -366,42 +413,8 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     sink = open(args.output_jsonl, "w") if args.output_jsonl else contextlib.nullcontext()
     with sink as jsonl:
         for label, url, policy in targets:
-            for point, (conc, num) in enumerate(zip(concurrencies, prompt_counts)):
-                if policy is not None:
-                    server_side.prepare_policy_run(url, policy)
-                # Each sweep point gets its own prompts (seed + point), so a prefix cache
-                # never serves one point from another; random warm-ups use extra prompts.
-                point_args = argparse.Namespace(**{**vars(args), "seed": args.seed + point})
-                warm_items = None
-                if args.dataset == "random":
-                    point_args.num_prompts = (1000 if num is None else num) + args.warmup
-                    items = datasets.build_from_args(point_args, tokenizer)
-                    warm_items, items = items[:args.warmup], items[args.warmup:]
-                else:
-                    items = datasets.build_from_args(point_args, tokenizer)
-                cfg = RunConfig(base_url=url, model=models[label], api=args.api, label=label,
-                                max_concurrency=conc, request_rate=args.request_rate,
-                                seed=args.seed, warmup=args.warmup, ignore_eos=args.ignore_eos,
-                                temperature=args.temperature, request_timeout=args.request_timeout,
-                                progress=not args.disable_tqdm,
-                                session_header=args.session_header)
-                before = server_side.scrape(url)
-                records, duration = asyncio.run(run_benchmark(cfg, items, count, warm_items))
-                summary = summarize(records, duration, label=label, request_rate=args.request_rate,
-                                    max_concurrency=conc, **slo)
-                summary.update(server_side.run_delta(before, server_side.scrape(url)))
-                if args.dataset == "interference":
-                    from radixray.bench import interference
-                    summary.update(interference.class_stats(
-                        records, {it.index: it.group for it in items}))
-                    summary.update(interference.transfer_fields(summary, loopback))
-                if policy is not None:
-                    summary["router_policy"] = policy
-                summaries.append(summary)
-                print(format_summary(summary), flush=True)
-                if jsonl:
-                    jsonl.writelines(json.dumps(r.to_json()) + "\n" for r in records)
-                    jsonl.flush()
+            summaries += run_sweep(args, label, url, models[label], tokenizer, policy=policy,
+                                   loopback=loopback, jsonl=jsonl)
     if loopback is not None:  # again at the end: the rate drifts on a shared host
         from radixray.bench import interference
         from radixray.bench.loopback import tcp_loopback_rate
@@ -424,21 +437,14 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(bench_subparsers) -> argparse.ArgumentParser:
-    """Add the ``serve`` subcommand to ``bench_subparsers``; its ``func`` is :func:`run_serve_bench`."""
-    p = bench_subparsers.add_parser(
-        "serve", help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, throughput)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--target", type=_target, action="append", metavar="LABEL=URL",
-                   help="a server to benchmark (repeatable; runs one after another); overrides --base-url")
-    p.add_argument("--model", default=None, help="model id to send (default: first id of GET /v1/models)")
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The client's flags that ``bench serve`` and ``bench compare`` share: API, tokenizer,
+    dataset, arrivals, sampling, SLOs and the sweep."""
     p.add_argument("--api", default="completions", choices=sorted(ENDPOINTS))
     p.add_argument("--tokenizer", default="default",
                    help="'default' (radixray's default model) or a model/tokenizer folder; "
                         "builds prompts of exact token lengths and counts unreported tokens")
     datasets.add_dataset_args(p)
-    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight (default: no limit)")
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="conversation arrivals per second, Poisson (default inf: all at once)")
     p.add_argument("--seed", type=int, default=1)
@@ -451,9 +457,25 @@ def add_parser(bench_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO for goodput")
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT SLO for goodput")
     p.add_argument("--sweep", type=_int_list, default=None, metavar="C1,C2,...",
-                   help="run once per max-concurrency value; prints a table and writes --plot")
+                   help="run once per max-concurrency value")
     p.add_argument("--sweep-num-prompts", type=_int_list, default=None, metavar="N1,N2,...",
                    help="random dataset: prompts per --sweep point (default --num-prompts each)")
+    p.add_argument("--session-header", action=argparse.BooleanOptionalAction, default=True,
+                   help="multi-turn: send X-Session-Id with each turn")
+    p.add_argument("--disable-tqdm", action="store_true")
+
+
+def add_parser(bench_subparsers) -> argparse.ArgumentParser:
+    """Add the ``serve`` subcommand to ``bench_subparsers``; its ``func`` is :func:`run_serve_bench`."""
+    p = bench_subparsers.add_parser(
+        "serve", help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, throughput)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--target", type=_target, action="append", metavar="LABEL=URL",
+                   help="a server to benchmark (repeatable; runs one after another); overrides --base-url")
+    p.add_argument("--model", default=None, help="model id to send (default: first id of GET /v1/models)")
+    add_workload_args(p)
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight (default: no limit)")
     p.add_argument("--plot", default="bench_sweep.png", help="PNG written by --sweep")
     p.add_argument("--output-jsonl", default=None, help="one JSON line per request")
     p.add_argument("--output-json", default=None, help="a JSON list of the run summaries")
@@ -461,9 +483,6 @@ def add_parser(bench_subparsers) -> argparse.ArgumentParser:
                    choices=POLICIES,
                    help="radixray fleets: run once per policy (repeat the flag), switching the "
                    "router and flushing the caches before each run")
-    p.add_argument("--session-header", action=argparse.BooleanOptionalAction, default=True,
-                   help="multi-turn: send X-Session-Id with each turn")
-    p.add_argument("--disable-tqdm", action="store_true")
     p.add_argument("--loopback-tcp", action="store_true", help="measure this machine's loopback "
                    "TCP rate first, and report KV transfer rates as a share of it")
     p.add_argument("--log-level", default="warning")

@@ -6,7 +6,6 @@ Every answer is compared with Hugging Face ``generate`` on the same tiny Llama.
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -15,22 +14,12 @@ import pytest
 @pytest.fixture(scope="module")
 def naive(tiny_llama_dir):
     """(NaiveServer, base url) with uvicorn serving in a background thread on a free port."""
-    import uvicorn
+    from serving_helpers import uvicorn_in_thread
 
     from radixray.bench.naive_server import NaiveServer, create_app
     server = NaiveServer.load(tiny_llama_dir, model_id="tiny")
-    uv = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=0,
-                                       log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    port = uv.servers[0].sockets[0].getsockname()[1]
-    yield server, f"http://127.0.0.1:{port}"
-    uv.should_exit = True
-    thread.join(timeout=10)
+    with uvicorn_in_thread(create_app(server)) as url:
+        yield server, url
 
 
 @pytest.fixture(scope="module")
