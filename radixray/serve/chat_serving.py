@@ -72,8 +72,11 @@ async def _chat_stream(fe: Frontend, req: ChatCompletionRequest, chat: ChatPlan,
     splits = {c.index: ChoiceOutput(chat) for c in choices}
 
     def chunk(index: int, delta: dict, reason=None, logprobs=None) -> str:
-        return sse({**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                         "finish_reason": reason}]})
+        body = {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                     "finish_reason": reason}]}
+        if req.continuous_usage:
+            body["usage"] = usage(fe, choices, req.n)
+        return sse(body)
     for c in choices:
         yield chunk(c.index, {"role": "assistant", "content": ""})
     async for c, text, update in fe.interleave(choices, streams):

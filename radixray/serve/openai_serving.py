@@ -201,8 +201,11 @@ async def _completion_stream(fe: Frontend, req: CompletionRequest, rid: str,
                                      update.top_logprobs or [], offsets[c.index])
         offsets[c.index] += len(delta)
         if delta or lp or c.meta is not None:
-            yield sse({**base, "choices": [{"index": c.index, "text": delta, "logprobs": lp,
-                                            "finish_reason": finish_reason(c)}]})
+            body = {**base, "choices": [{"index": c.index, "text": delta, "logprobs": lp,
+                                         "finish_reason": finish_reason(c)}]}
+            if req.continuous_usage:
+                body["usage"] = usage(fe, choices, req.n)
+            yield sse(body)
     if req.include_usage:
         yield sse({**base, "choices": [], "usage": usage(fe, choices, req.n)})
     yield SSE_DONE

@@ -73,6 +73,24 @@ def test_chat_equal_in_process_engine(client, eng):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want["text"]
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
+    """vLLM's ``stream_options.continuous_usage_stats`` (guidellm sends it): with
+    include_usage, each chunk carries the usage so far; the last one the whole."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for stream in (
+        client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                  stream=True, stream_options=options,
+                                  extra_body={"ignore_eos": True}),
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=0,
+                                       stream=True, stream_options=options,
+                                       extra_body={"ignore_eos": True})):
+        chunks = list(stream)
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert all(c.usage is not None for c in chunks)
+        assert counts == sorted(counts) and counts[-1] == 6
+        assert len({c.usage.prompt_tokens for c in chunks}) == 1
+
+
 def test_async_client_streams_concurrently(server, eng):
     from openai import AsyncOpenAI
 
