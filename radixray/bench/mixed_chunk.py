@@ -4,7 +4,8 @@ In-process (no HTTP): ``--concurrency`` streams (``Engine.generate_stream``, eac
 next prompt when its last one finished, as ``bench serve --max-concurrency`` does) over
 ``--num-prompts`` random prompts of ``--input-len`` tokens, ``--output-len`` tokens each
 (ignore_eos). For each ``--chunk-sizes`` value the engine runs with mixing off and on, one
-after the other, ``--repeats`` times; one engine for all runs (its chunk size and mixing
+after the other, ``--repeats`` times (on: steps with riders sized by ``--max-itl-ms``; 0 gives
+the fixed chunk); one engine for all runs (its chunk size and mixing
 are set between runs, with the prefix cache flushed). Reported per run, with the
 serving benchmark's definitions (serve_metrics.py): max and p99 ITL (a gap between two
 streamed chunks of one request), p50 TTFT, output tok/s; and the median over repeats.
@@ -22,6 +23,7 @@ import statistics
 import time
 
 from radixray.bench import (
+    ENGINE_FLAGS,
     add_engine_arguments,
     random_token_prompts,
     register,
@@ -66,17 +68,17 @@ async def _stream_all(engine, prompts: list[list[int]], output_len: int,
     return records, time.perf_counter() - t0
 
 
-def set_mode(engine, chunk_size: int, mixed: bool) -> None:
-    """Between runs, on the scheduler thread: this chunk size and mixing, an empty prefix cache
-    (the same prompts run again) and fresh counters. One engine serves every run, so model
-    loading (a minute for int8 on a busy 2-vCPU host) is paid once."""
-    engine.retune_prefill(chunk_size, mixed)
+def set_mode(engine, chunk_size: int, mixed: bool, max_itl_ms: float | None) -> None:
+    """Between runs, on the scheduler thread: this chunk size, mixing and ITL target, an empty
+    prefix cache (the same prompts run again) and fresh counters. One engine serves every run,
+    so model loading (a minute for int8 on a busy 2-vCPU host) is paid once."""
+    engine.retune_prefill(chunk_size, mixed, max_itl_ms)
     assert engine.flush_cache(), "the prefix cache could not be flushed between runs"
 
 
 def run_once(engine, args, prompts: list[list[int]], chunk_size: int, mixed: bool) -> dict:
     """One run of the workload at ``chunk_size`` with mixing ``mixed``: its summary."""
-    set_mode(engine, chunk_size, mixed)
+    set_mode(engine, chunk_size, mixed, args.max_itl_ms)
     records, seconds = asyncio.run(_stream_all(engine, prompts, args.output_len,
                                                args.concurrency))
     stats = engine.snapshot()
@@ -102,7 +104,8 @@ def run(args) -> dict:
                      "kv_cache_dtype": args.kv_cache_dtype, "dtype": args.dtype,
                      "threads": torch.get_num_threads(), "input_len": args.input_len,
                      "output_len": args.output_len, "num_prompts": args.num_prompts,
-                     "concurrency": args.concurrency, "runs": [], "medians": []}
+                     "concurrency": args.concurrency, "itl_target_ms": args.max_itl_ms,
+                     "runs": [], "medians": []}
     pool = args.concurrency * (args.input_len + args.output_len + 8) + 256
     with Engine(model=args.model, dtype=args.dtype, quantization=args.quantization,
                 quantize_lm_head=args.quantize_lm_head, kv_cache_dtype=args.kv_cache_dtype,
@@ -130,7 +133,8 @@ def print_report(r: dict) -> None:
     print(f"\nmodel={r['model']} quantization={r['quantization']} kv_cache_dtype="
           f"{r['kv_cache_dtype']} threads={r['threads']}: {r['num_prompts']} prompts x "
           f"{r['input_len']} in / {r['output_len']} out at concurrency {r['concurrency']}; "
-          f"medians of {r['medians'][0]['repeats']} run(s)")
+          f"medians of {r['medians'][0]['repeats']} run(s); mixed steps sized by max_itl_ms="
+          f"{r['itl_target_ms']} (0 or None: fixed chunks)")
     print(f"{'chunk':>6} {'mixed':>5} {'max ITL ms':>10} {'p99 ITL ms':>10} {'p50 ITL ms':>10} "
           f"{'p50 TTFT ms':>11} {'out tok/s':>9}")
     for m in r["medians"]:
@@ -140,7 +144,7 @@ def print_report(r: dict) -> None:
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    add_engine_arguments(p)
+    add_engine_arguments(p, ENGINE_FLAGS + ("max_itl_ms",))
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)

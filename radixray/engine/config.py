@@ -62,10 +62,14 @@ class EngineConfig:
                                               "lower-priority running requests")
     priority_preemption_threshold: int = option(10, "priority gap a waiting request needs to "
                                                 "preempt a running one")
-    enable_mixed_chunk: bool = option(False, "running decode requests ride along in each "
+    enable_mixed_chunk: bool = option(True, "running decode requests ride along in each "
                                       "prefill forward (one token each) instead of waiting "
-                                      "for the prefill wave to end; their tokens count into "
-                                      "the chunk's budget")
+                                      "for the prefill wave to end (docs/mixed_chunk.md)")
+    max_itl_ms: float | None = option(
+        500.0, "with enable_mixed_chunk: the inter-token-latency target a prefill step with "
+        "riders is sized by (its prompt tokens: as many as a cost model measured online "
+        "predicts fit, 32 to chunked_prefill_size); 0 or None: fixed chunks of "
+        "chunked_prefill_size, the riders taking up to half", ge=0)
     disable_radix_cache: bool = option(False, "no prefix sharing between requests")
     radix_eviction_policy: str = option("lru", "which cached prefixes go first when the pool "
                                         "is full", choices=("lru", "lfu"))
@@ -230,6 +234,31 @@ class EngineConfig:
                 raise ValueError(f"deterministic=true needs {name} in {list(allowed)}, got "
                                  f"{value!r}: batch-invariant kernels exist for float32 on the "
                                  f"CPU only")
+
+    @property
+    def itl_budget_off_reason(self) -> str | None:
+        """Why prefill steps take fixed chunks instead of ``max_itl_ms``'s budget, or None
+        when the budget sizes them (engine/sched/chunk_budget.py)."""
+        if not self.max_itl_ms:
+            return "max_itl_ms is 0"
+        if not self.enable_mixed_chunk:
+            return "enable_mixed_chunk is off (no streams ride a prefill step)"
+        if self.chunk_size is None:
+            return "chunked prefill is off"
+        if self.deterministic:
+            return "deterministic mode: a step's size must not depend on timing"
+        if self.ep_size > 1:
+            return ("expert parallelism: a rank's forward time includes waiting for its "
+                    "peers' exchanges, not only its own batch")
+        if self.disaggregation_mode == "prefill":
+            return "a prefill worker has no decode streams to pace"
+        return None
+
+    @property
+    def itl_budget_ms(self) -> float | None:
+        """The inter-token-latency target mixed prefill steps are sized by, or None (fixed
+        chunks; :attr:`itl_budget_off_reason` says why)."""
+        return None if self.itl_budget_off_reason else self.max_itl_ms
 
     @property
     def chunk_size(self) -> int | None:

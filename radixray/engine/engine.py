@@ -362,11 +362,13 @@ class Engine:
             kv.host_cache.reset()
 
     @scheduler_verb()
-    def retune_prefill(self, chunked_prefill_size: int, enable_mixed_chunk: bool) -> None:
-        """Between benchmark runs: prefill in chunks of this size, mixing or not, from the
-        next step on, with the scheduler's counters and new-token ratio started over."""
+    def retune_prefill(self, chunked_prefill_size: int, enable_mixed_chunk: bool,
+                       max_itl_ms: float | None) -> None:
+        """Between benchmark runs: prefill in chunks of this size, mixing or not, mixed steps
+        sized by ``max_itl_ms`` (0 or None: fixed chunks), from the next step on, with the
+        scheduler's counters and new-token ratio started over (its step-time model kept)."""
         self.scheduler.reconfigure(chunked_prefill_size=chunked_prefill_size,
-                                   enable_mixed_chunk=enable_mixed_chunk)
+                                   enable_mixed_chunk=enable_mixed_chunk, max_itl_ms=max_itl_ms)
         self.scheduler.reset_stats()
 
     # ---- weight updates (engine/weights/session.py; contracts: control.EngineControl) ----

@@ -22,6 +22,7 @@ from model_fixtures import (
 )
 
 from radixray import Engine
+from radixray.engine.sched.chunk_budget import ForwardCostModel, ForwardWork
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 LOGPROBS = {**GREEDY, "return_logprob": True, "top_logprobs_num": 3}
@@ -212,3 +213,75 @@ def test_moe_model_with_mixed_chunks_matches_hf(tiny_qwen3_moe_dir):
     hf = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe_dir, dtype=torch.float32).eval()
     run_all_modes(tiny_qwen3_moe_dir, random_prompts(hf.config.vocab_size), hf, "qwen3_moe mixed",
                   enable_mixed_chunk=True)
+
+
+class LinearCost(ForwardCostModel):
+    """A prefill step costs 20 ms + 4 ms per token, whatever the clock says, as if a whole
+    2,048-token chunk had been measured (so growth does not hold a step back); the measured
+    steps' work is kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.samples, self.observed = 1, []
+        self.recent_tokens.append(2048)
+
+    def observe(self, work: ForwardWork, seconds: float) -> None:
+        self.observed.append(work)
+
+    def predict(self, work: ForwardWork) -> float:
+        return 0.02 + 0.004 * work.tokens
+
+
+def record_prefill_steps(sched, mixed: bool, steps: list) -> None:
+    """Each prefill step of ``sched`` appends (``mixed``, requests running before it, its
+    prompt tokens, its StepBudget, mixed forwards it ran) to ``steps``."""
+    builder, stats = sched.prefill, sched.stats
+    run = builder.run
+
+    def recorded(items, step):
+        running, before = sched.queues.num_running, stats.mixed_forwards
+        run(items, step)
+        steps.append((mixed, running, sum(n for _, n, _ in items), builder.chunks.last,
+                      stats.mixed_forwards - before))
+
+    builder.run = recorded
+
+
+def test_itl_budget_sizes_steps_and_keeps_outputs(tiny_llama_dir):
+    """The budget on (the default), its cost model replaced by a fixed one: long prompts
+    arriving mid-decode prefill in steps of exactly the prompt tokens the 302 ms target
+    leaves beside the riders (70 tokens a step in all: 20 + 4 x 70 = 300 ms), every running
+    request rides every prefill step, each step's work reaches the model, KV is conserved,
+    and greedy outputs are the unmixed run's and Hugging Face's."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    rng = random.Random(7)
+    vocab = hf.config.vocab_size
+    first = random_prompts(vocab)[:4]
+    later = [[rng.randrange(1, vocab) for _ in range(n)] for n in (150, 230, 95)]
+    outs, steps = {}, []
+    for mixed in (False, True):
+        with engine(tiny_llama_dir, mixed, max_itl_ms=302) as eng:
+            assert eng.scheduler.prefill.chunks.timed == mixed
+            cost = LinearCost()
+            eng.call_in_loop(lambda sched, c=cost: setattr(sched.prefill.chunks, "cost", c))
+            record_prefill_steps(eng.scheduler, mixed, steps)
+            outs[mixed] = arrive_mid_decode(eng, first, later, GREEDY)
+            eng.check_kv_conservation()
+            if mixed:
+                assert len(cost.observed) == len([s for s in steps if s[0]])
+    sized = [(running, tokens, budget) for mixed, running, tokens, budget, rode in steps
+             if mixed and running]
+    assert len(sized) >= 6, "the later prompts should take several budgeted steps"
+    for mixed, running, tokens, budget, rode in steps:
+        if mixed and running:
+            assert rode == 1, "every running request rides each prefill step"
+            assert budget.sized and budget.tokens == max(32, 70 - running)
+            assert tokens <= budget.tokens
+        else:
+            assert rode == 0 and not budget.sized
+    assert any(tokens == budget.tokens < 2048 for _, tokens, budget in sized)
+    for i, (a, b, p) in enumerate(zip(outs[True], outs[False], first + later)):
+        ref, gaps = hf_greedy(hf, p, NEW_TOKENS)
+        assert_greedy_equal(a["output_ids"], ref, gaps, f"budgeted mixed, prompt {i}")
+        assert a["output_ids"] == b["output_ids"], f"prompt {i}"

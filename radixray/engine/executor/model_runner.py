@@ -77,6 +77,17 @@ def pick_dtype(name: str, device: str) -> tuple[torch.dtype, str]:
     return torch.float32, f"auto: fp32 is the faster decode dtype measured on CPU ({cap})"
 
 
+def mixed_chunk_note(config: EngineConfig) -> str:
+    """The start-up log's words on mixed chunks and the inter-token-latency budget."""
+    if not config.enable_mixed_chunk:
+        return "off (a prefill step stalls the running streams)"
+    if config.itl_budget_ms:
+        return (f"on, max_itl_ms={config.itl_budget_ms:g}: a step with streams riding takes "
+                f"the prompt tokens its measured cost model predicts fit (up to "
+                f"chunked_prefill_size={config.chunk_size})")
+    return f"on, fixed chunks of chunked_prefill_size ({config.itl_budget_off_reason})"
+
+
 class ModelRunner:
     """Owns the model, the KV pool, the request table and the attention backend.
 
@@ -206,6 +217,7 @@ class ModelRunner:
             config.deterministic, self.device,
             torch.get_num_threads())
         logger.info("decode CUDA graphs: %s", graphs_note)
+        logger.info("mixed chunked prefill: %s", mixed_chunk_note(config))
         if self.decode_graphs is not None:
             self.decode_graphs.capture_all()
         if config.device == "cpu":

@@ -102,15 +102,16 @@ class PrefillBudget:
             self.rem_chunk_tokens -= n
         return AddResult.CHUNKED if n < extend_len else AddResult.ADDED
 
-    def reserve_riders(self, n: int) -> None:
+    def reserve_riders(self, n: int, from_chunk: bool = True) -> None:
         """Mixed chunks: ``n`` running requests ride in this prefill forward, one token each,
-        taken from every budget; the chunk gives at most half of itself to them, so many
-        streams cannot starve a prefill."""
+        taken from the KV and input budgets, and with ``from_chunk`` from the chunk, which
+        gives at most half of itself to them, so many streams cannot starve a prefill
+        (a chunk sized by the ITL budget has counted the riders' time already)."""
         if not n:
             return
         self.rem_total_tokens -= n
         self.rem_input_tokens -= n
-        if self.rem_chunk_tokens is not None:
+        if from_chunk and self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= min(n, self.rem_chunk_tokens // 2)
 
     def add_chunk_continuation(self, req: Req, remaining: int) -> int:

@@ -6,7 +6,8 @@ the forward pass, and what the tokens do.
 request that outranks running ones by ``priority_preemption_threshold`` may retract them
 (preemption) to get a row or tokens. A prompt longer than what is left of the chunk
 budget is admitted as its first chunk and continues next step (the scheduler's chunked
-slot). Mixed chunks (mixed_batch.py) add the running requests at the batch's tail.
+slot). Mixed chunks (mixed_batch.py) add the running requests at the batch's tail; with
+them, a step's chunk is sized by the inter-token-latency budget (chunk_budget.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from radixray.engine.mem_cache.radix_cache import MatchResult
 from radixray.engine.request import Req
 from radixray.engine.sched.admission import AddResult, PrefillBudget, new_request_need
+from radixray.engine.sched.chunk_budget import ChunkBudget, ForwardCostModel, attention_pairs
 from radixray.engine.sched.mixed_batch import MixedChunks
 from radixray.engine.sched.policy import InBatchPrefixes, order_waiting
 from radixray.engine.sched.stats import log_prefill
@@ -31,13 +33,15 @@ PrefillItems = list[tuple[Req, int, torch.Tensor]]  # (request, new tokens, thei
 
 class PrefillBuilder:
     """Builds and runs the prefill steps of ``scheduler`` (its queues, KV manager and
-    budget options); queue changes go through the scheduler's :class:`RequestQueues`."""
+    budget options); queue changes go through the scheduler's :class:`RequestQueues`.
+    ``cost``: the step-time model to keep measuring (a reconfigured scheduler's)."""
 
-    def __init__(self, scheduler: StepHost):
+    def __init__(self, scheduler: StepHost, cost: ForwardCostModel | None = None):
         self.s = scheduler
         s = scheduler
         self.config = s.config
         self.mixed = MixedChunks(s.config.enable_mixed_chunk, s.kv, s.runner, s.ratio, s.stats)
+        self.chunks = ChunkBudget(s.config.itl_budget_ms, s.config.chunk_size, cost)
 
     # ---- building ---------------------------------------------------------------------
     def build(self, step: StepRecord) -> PrefillItems:
@@ -49,11 +53,16 @@ class PrefillBuilder:
         kv = s.kv
         waiting = list(queues.waiting)
         kv.prepare_admission(waiting)
-        budget = PrefillBudget.start(kv.available_tokens(), list(queues.running), s.ratio.value,
-                                     self.config.max_prefill_tokens, self.config.chunk_size)
-        budget.reserve_riders(self.mixed.num_riders(queues.num_running))
+        running, chunked = list(queues.running), queues.chunked
+        riders = self.mixed.num_riders(len(running))
+        rider_pairs = sum(attention_pairs(r.kv_len, 1) for r in running) \
+            if riders and self.chunks.timed else 0
+        chunk = self.chunks.step_tokens(riders, rider_pairs,
+                                        chunked.kv_len if chunked is not None else 0).tokens
+        budget = PrefillBudget.start(kv.available_tokens(), running, s.ratio.value,
+                                     self.config.max_prefill_tokens, chunk)
+        budget.reserve_riders(riders, from_chunk=not self.chunks.timed)
         in_batch = InBatchPrefixes(enabled=not kv.cache.disabled)
-        chunked = queues.chunked
         if chunked is not None:
             budget.add_chunk_continuation(chunked, chunked.seq_len - chunked.kv_len)
             in_batch.add(chunked)
@@ -185,6 +194,8 @@ class PrefillBuilder:
             s.process_logits(logits[len(items):], riders, prefill=False)
         if done_reqs:
             s.process_logits(logits[done_rows], done_reqs, prefill=True)
+        seconds = time.perf_counter() - t0
+        self.chunks.observe(batch, seconds)
         _, usage = s.token_usage()
         log_prefill(len(new_reqs), new_tokens, cached, usage, queues.num_running,
-                    queues.num_waiting, time.perf_counter() - t0)
+                    queues.num_waiting, seconds, self.chunks.last)

@@ -447,7 +447,7 @@ class Scheduler:
         ``enable_mixed_chunk``, ``schedule_policy``, ...) between steps; benchmarks compare
         settings on one loaded engine."""
         self.config = dataclasses.replace(self.config, **changes)
-        self.prefill = PrefillBuilder(self)
+        self.prefill = PrefillBuilder(self, cost=self.prefill.chunks.cost)
 
     def reset_stats(self) -> None:
         """Counters back to zero and a fresh new-token forecast."""

@@ -5,6 +5,10 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from radixray.engine.sched.chunk_budget import StepBudget
 
 logger = logging.getLogger("radixray.scheduler")
 
@@ -47,11 +51,19 @@ class SchedulerStats:
 
 
 def log_prefill(new_seq: int, new_token: int, cached_token: int, usage: float, running: int,
-                queued: int, seconds: float) -> None:
+                queued: int, seconds: float, budget: StepBudget | None = None) -> None:
+    """The prefill log line; a step sized by the ITL budget adds its prompt-token budget, its
+    predicted and its measured milliseconds."""
+    sized = ""
+    if budget is not None and budget.sized:
+        predicted = "-" if budget.predicted_s is None else f"{budget.predicted_s * 1e3:.0f}"
+        sized = (f", #budget-token: {budget.tokens}, step ms predicted: {predicted}, "
+                 f"took: {seconds * 1e3:.0f}")
     logger.info(
         "Prefill batch, #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
-        "#running-req: %d, #queue-req: %d, input throughput (token/s): %.2f",
-        new_seq, new_token, cached_token, usage, running, queued, new_token / max(seconds, 1e-9))
+        "#running-req: %d, #queue-req: %d, input throughput (token/s): %.2f%s",
+        new_seq, new_token, cached_token, usage, running, queued, new_token / max(seconds, 1e-9),
+        sized)
 
 
 def log_decode(running: int, tokens: int, usage: float, gen_throughput: float, queued: int,
