@@ -97,8 +97,9 @@ class GRPOConfig(BaseModel):
     fleet: ServeConfig = Field(default_factory=ServeConfig, description="the fleet the "
                                "rollouts run on, as a serve config (engine, server, fleet, "
                                "router sections); engine.model defaults to ``model``, "
-                               "engine.deterministic to ``deterministic`` and engine.exact "
-                               "to true unless engine.quantization is set")
+                               "engine.deterministic to ``deterministic``; a fleet the job "
+                               "starts itself runs engine.exact: true unless the section "
+                               "sets exact or quantization")
 
     @model_validator(mode="before")
     @classmethod
@@ -110,8 +111,6 @@ class GRPOConfig(BaseModel):
         fields = cls.model_fields
         job = {"model": data.get("model", fields["model"].default),
                "deterministic": data.get("deterministic", fields["deterministic"].default)}
-        if "quantization" not in (data.get("fleet", {}).get("engine") or {}):
-            job["exact"] = True  # rollouts sample the policy the trainer trains (fp32)
         if data.get("routing_replay", True) and _is_moe_folder(job["model"]):
             job["enable_return_routed_experts"] = True  # the cached prefix's routes too
         return {**data, "fleet": merge({"engine": job}, data.get("fleet", {}))}
@@ -172,6 +171,16 @@ class GRPOConfig(BaseModel):
     def serve_config(self) -> ServeConfig:
         """The fleet's serve configuration (the ``fleet`` section)."""
         return self.fleet
+
+    def own_fleet_config(self) -> ServeConfig:
+        """The configuration of a fleet the job starts itself: the ``fleet`` section with
+        engine.exact true (rollouts then sample the fp32 policy the trainer trains) unless
+        the section chose exact or quantization itself. A served fleet the job joins keeps
+        its own configuration: its name is a hash of it."""
+        engine = self.fleet.engine
+        if engine.model_fields_set & {"exact", "quantization"}:
+            return self.fleet
+        return self.fleet.model_copy(update={"engine": engine.model_copy(update={"exact": True})})
 
     @classmethod
     def parse(cls, data: dict | None) -> GRPOConfig:

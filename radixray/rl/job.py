@@ -81,6 +81,14 @@ class Job:
         self.cfg = cfg
         serve_cfg = cfg.serve_config()
         connect_ray(serve_cfg.namespace)
+        if find_controller(serve_cfg) is None:  # not served: the job's own (exact) fleet
+            serve_cfg = cfg.own_fleet_config()
+            self.cfg = cfg = cfg.model_copy(update={"fleet": serve_cfg})
+        elif not (serve_cfg.engine.exact or serve_cfg.engine.deterministic
+                  or serve_cfg.engine.quantization not in (None, "auto")):
+            logger.info("joining a served fleet that picks its precision per CPU (quantized "
+                        "on AVX-512 VNNI/AMX): rollout logprobs may then differ from the "
+                        "trainer's fp32 ones; serve it with engine.exact: true to match")
         self.owns_fleet = find_controller(serve_cfg) is None
         self.controller = get_or_create_controller(serve_cfg)
         self._heartbeats = start_heartbeats(self.controller, f"grpo-{uuid.uuid4().hex[:8]}",

@@ -101,3 +101,18 @@ def test_the_default_costs_less_than_its_stated_bound(no_exact_env, int8_kernel)
     assert len(result["prompts"]) == 32
     assert result["precision_default"].startswith("fast CPU default")
     assert check_bounds(result) == [], result
+
+
+def test_a_grpo_job_starts_its_own_fleet_exact_but_joins_a_served_one_as_it_is(tiny_llama_dir):
+    """The served fleet's name hashes its configuration: the job must look it up with the
+    section as written (joining it), and only a fleet it starts itself is made exact."""
+    from radixray.rl.config import GRPOConfig
+    section = {"engine": {"model": str(tiny_llama_dir)}}
+    cfg = GRPOConfig.parse({"model": str(tiny_llama_dir), "fleet": section})
+    assert not cfg.serve_config().engine.exact
+    own = cfg.own_fleet_config()
+    assert own.engine.exact and own.controller_name() != cfg.serve_config().controller_name()
+    for chosen in ({"exact": False}, {"quantization": "w8a8_int8"}):
+        cfg = GRPOConfig.parse({"model": str(tiny_llama_dir),
+                                "fleet": {"engine": {"model": str(tiny_llama_dir), **chosen}}})
+        assert cfg.own_fleet_config() is cfg.serve_config()
