@@ -101,10 +101,11 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = option(None, "the largest decode batch run through a CUDA "
                                            "graph (default: sized from the device's memory)",
                                            ge=1)
-    enable_torch_compile: bool = option(
-        False, "CPU: run decode steps through torch.compile (inductor; the C++ kernels kept "
+    enable_torch_compile: bool | None = option(
+        None, "CPU: run decode steps through torch.compile (inductor; the C++ kernels kept "
         "as its ops): the same logits, less Python per step; compiled at start-up, cached "
-        "across restarts (engine/executor/compiled_decode.py)")
+        "across restarts (engine/executor/compiled_decode.py); default: on with the fast "
+        "CPU precision (engine/precision.py), off otherwise")
     torch_compile_max_bs: int = option(32, "with enable_torch_compile: the largest decode "
                                        "batch run compiled (larger ones run eagerly)", ge=1)
     cpu_kernels: bool = option(True, "fused C++ kernels for fp32 on CPU (torch ops otherwise)")

@@ -69,7 +69,7 @@ def test_the_default_model_starts_with_its_cpus_default(no_exact_env, int8_kerne
     """The fast bundle on VNNI and AMX CPUs, the exact path elsewhere; either way logged."""
     from radixray import Engine
     from radixray.engine.precision import FAST_ON
-    with caplog.at_level(logging.INFO, logger="radixray.engine.executor.model_runner"):
+    with caplog.at_level(logging.INFO, logger="radixray.engine.executor"):
         with Engine(max_total_tokens=1024) as engine:
             facts = engine.model_facts()
             out = engine.generate(prompt="The capital of France is",
@@ -79,9 +79,11 @@ def test_the_default_model_starts_with_its_cpus_default(no_exact_env, int8_kerne
         assert (facts.quantization, facts.kv_cache_dtype) == ("w8a8_int8", "fp8_e5m2")
         assert f"precision: fast CPU default on {int8_kernel}" in caplog.text
         assert "quantization=w8a8_int8" in caplog.text and "lm_head int8" in caplog.text
+        assert "compiled decode" in caplog.text and "compiled the decode step" in caplog.text
     else:
         assert (facts.quantization, facts.kv_cache_dtype) == (None, "auto")
         assert "precision: exact: " in caplog.text
+        assert "compiled the decode step" not in caplog.text  # eager with exact precision
     with Engine(max_total_tokens=1024, exact=True) as engine:
         facts = engine.model_facts()
     assert (facts.quantization, str(facts.dtype)) == (None, "torch.float32")

@@ -43,6 +43,8 @@ _WARMUP_LEN = 2
 
 def compile_unavailable(runner, config) -> str | None:
     """Why decode steps are not compiled on ``runner`` (None: they can be)."""
+    if config.enable_torch_compile is None:
+        return "off (enable_torch_compile unset: on only with the fast CPU precision)"
     if not config.enable_torch_compile:
         return "off (enable_torch_compile=false)"
     if str(runner.device) != "cpu":
