@@ -85,9 +85,9 @@ class AutoscalingSection(BaseModel):
     def _bounds(self) -> AutoscalingSection:
         return _ordered(self, "fleet.autoscaling.")
 
-    def check_counts(self, counts: dict[str, int], explicit: set[str]) -> None:
+    def check_counts(self, counts: dict[str, int]) -> None:
         """ValueError (naming the fields) unless each role's starting count lies within its
-        bounds. ``counts``: role -> starting workers; ``explicit``: fields the user set."""
+        bounds. ``counts``: role -> starting workers."""
         if "unified" in counts:
             if self.prefill is not None or self.decode is not None:
                 raise ValueError("fleet.autoscaling.prefill / decode apply only to a "
@@ -103,8 +103,10 @@ class AutoscalingSection(BaseModel):
                                  f"min_workers..max_workers ({self.min_workers}..."
                                  f"{self.max_workers})")
             return
-        used = explicit & {"min_workers", "max_workers", "target_ongoing_requests",
-                           "target_queue_length", "target_kv_usage"}
+        # set away from their defaults (a dumped and re-read config sets every field)
+        used = {name for name in ("min_workers", "max_workers", "target_ongoing_requests",
+                                  "target_queue_length", "target_kv_usage")
+                if getattr(self, name) != type(self).model_fields[name].default}
         if used:
             raise ValueError(f"fleet.autoscaling.{sorted(used)[0]} applies to unified workers; "
                              f"a prefill-decode fleet sets fleet.autoscaling.prefill and "

@@ -241,8 +241,7 @@ class FleetSection(BaseModel):
 
     def _check_autoscaling(self) -> None:
         if self.autoscaling is not None:
-            self.autoscaling.check_counts(self.role_counts(),
-                                          self.autoscaling.model_fields_set)
+            self.autoscaling.check_counts(self.role_counts())
 
     def role_counts(self) -> dict[str, int]:
         """Starting workers by role."""

@@ -227,6 +227,16 @@ def test_config_errors_name_the_field(fleet, field):
         ServeConfig.parse({"fleet": fleet})
 
 
+@pytest.mark.parametrize("cfg", [PD, {"fleet": {"workers": 2, "autoscaling": {
+    "max_workers": 3, "target_kv_usage": 0.7}}}], ids=["pd", "unified"])
+def test_the_section_survives_a_dump_and_reload(cfg):
+    """The ingress and the controller get the config as a dict dumped from the parsed one."""
+    parsed = ServeConfig.parse(cfg)
+    again = ServeConfig.parse(parsed.model_dump())  # as build_app passes it
+    assert again.autoscaling_policies() == parsed.autoscaling_policies()
+    assert again.fleet_key() == parsed.fleet_key()
+
+
 def test_autoscaled_workers_get_their_own_bundles():
     cfg = ServeConfig.parse({"server": {"worker_num_cpus": 0.5},
                              "fleet": {"autoscaling": {"max_workers": 3}}})
