@@ -2,7 +2,9 @@
 worker, each role 1..2): a prefill-heavy burst (long prompts, two output tokens) breaks
 the TTFT target and fills the prefill queue, so a prefill worker is added and no decode
 worker; the new prefill worker takes requests through the prefill-decode path, and no
-request gets a 5xx. Waits are on conditions, with generous deadlines."""
+request gets a 5xx. Waits are on conditions, with generous deadlines. The TTFT target
+(1 ms) is below what a 400-token prefill takes on any CPU, so the burst breaks it however
+fast the machine; TPOT's (5 s) is beyond reach, so decode has no cause to grow."""
 
 import threading
 import time
@@ -17,7 +19,7 @@ DEADLINE_S = 180.0
 
 
 def test_a_prefill_heavy_burst_adds_a_prefill_worker_only(tiny_llama_dir):
-    cfg = tiny_config(tiny_llama_dir, free_port(), worker_num_cpus=0.5, slo_ttft_s=0.005,
+    cfg = tiny_config(tiny_llama_dir, free_port(), worker_num_cpus=0.5, slo_ttft_s=0.001,
                       slo_tpot_s=5.0)
     cfg["fleet"] = {"prefill_workers": 1, "decode_workers": 1, "health_check_interval_s": 0.5,
                     "autoscaling": {"upscale_delay_s": 0, "downscale_delay_s": 3600,

@@ -5,6 +5,9 @@ while it still has requests in flight, which finish; its placement group is rele
 and no request gets a 5xx.
 
 Every wait is on a condition (the fleet's state, the metrics), with generous deadlines.
+The load the autoscaler sees is made by holding requests in flight (a worker paused in
+place, as one with a backlog), not by out-running this machine: on 2 cores the HTTP side,
+not the tiny model, bounds how many requests a worker has at once.
 """
 
 import glob
@@ -15,6 +18,8 @@ import time
 import httpx
 import pytest
 from serving_helpers import free_port, metric, served, tiny_config
+
+from radixray.cluster.config import ServeConfig
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +32,8 @@ def _config(model_dir: str) -> dict:
         "min_workers": 1, "max_workers": 2, "target_ongoing_requests": 4,
         "upscale_delay_s": 0, "downscale_delay_s": 2, "look_back_period_s": 1,
         "decision_interval_s": 0.5}}
+    # new requests go to the least loaded worker, away from one the test holds paused
+    cfg["router"] = {"policy": "least_load"}
     return cfg
 
 
@@ -52,16 +59,19 @@ class Load:
         self.statuses: list[int] = []
         self.threads: list[threading.Thread] = []
 
-    def start(self, n: int, send) -> None:
+    def start(self, n: int, send, once: bool = False) -> None:
+        """``n`` clients, each sending until stopped (or one request: ``once``)."""
         for i in range(n):
-            t = threading.Thread(target=self._loop, args=(send, i), daemon=True)
+            t = threading.Thread(target=self._loop, args=(send, i, once), daemon=True)
             t.start()
             self.threads.append(t)
 
-    def _loop(self, send, i: int) -> None:
+    def _loop(self, send, i: int, once: bool) -> None:
         with httpx.Client(timeout=120) as client:
             while not self.stop.is_set():
                 self.statuses.append(send(client, i))
+                if once:
+                    return
 
     def finish(self) -> list[int]:
         self.stop.set()
@@ -94,42 +104,68 @@ def _controller_log_lines(pattern: str) -> list[str]:
 
 
 def test_a_burst_adds_a_worker_and_the_lull_drains_it_away(tiny_llama_dir):
-    with served(_config(tiny_llama_dir)) as base:
+    config = _config(tiny_llama_dir)
+    with served(config) as base:
         import ray
         assert [w["worker_id"] for w in _fleet(base)["workers"]] == ["worker-0"]
-        burst, trickle = Load(), Load()
-        burst.start(16, lambda c, i: c.post(f"{base}/v1/completions", json={
-            "model": "tiny", "prompt": f"burst {i}", "max_tokens": 64,
-            "ignore_eos": True}).status_code)
+        cfg = ServeConfig.parse(config)
+
+        def worker(worker_id: str):
+            return ray.get_actor(cfg.worker_name(worker_id), namespace=cfg.namespace)
+
+        def inflight(worker_id: str) -> int:
+            return ray.get(worker(worker_id).load.remote()).inflight
+
+        burst, trickle, trickled_on = Load(), Load(), []
+
+        def long_request(c, i, session: str | None = None):
+            r = c.post(f"{base}/generate", headers={"X-Session-Id": session} if session else {},
+                       json={"text": f"long {i}", "sampling_params": {"max_new_tokens": 1000,
+                                                                     "ignore_eos": True}})
+            if r.status_code == 200 and session is not None:
+                trickled_on.append(r.json()["meta_info"]["worker_id"])
+            return r.status_code
+        # The burst: 8 concurrent requests, held in flight on worker-0 (paused in place,
+        # as a worker with a backlog) so the load the autoscaler sees does not hang on how
+        # fast this machine is: 8 in flight against a target of 4 per worker needs 2.
+        ray.get(worker("worker-0").pause_generation.remote("in_place"))
         try:
+            burst.start(8, long_request, once=True)
             _wait("a second worker ready", lambda: [
                 w for w in _fleet(base)["workers"]
                 if w["worker_id"] == "worker-1" and w["state"] == "ready"])
-            # While the burst keeps the fleet above its target, pin a trickle of longer
-            # requests to the new worker: it has requests in flight whenever it is drained.
-            session, trickled_on = _session_on(base, "worker-1"), []
-
-            def trickle_one(c, i):
-                r = c.post(f"{base}/generate", headers={"X-Session-Id": session}, json={
-                    "text": f"trickle {i}", "sampling_params": {"max_new_tokens": 1000,
-                                                                "ignore_eos": True}})
-                if r.status_code == 200:
-                    trickled_on.append(r.json()["meta_info"]["worker_id"])
-                return r.status_code
-            trickle.start(3, trickle_one)
-            _wait("trickle requests running on worker-1", lambda: any(
-                w["worker_id"] == "worker-1" and w["load"].get("inflight", 0) >= 2
-                for w in _fleet(base)["workers"]))
+            # While the burst holds the fleet at 2, hold a trickle of requests in flight on
+            # the new worker the same way (a session pinned to it).
+            session = _session_on(base, "worker-1")
+            ray.get(worker("worker-1").pause_generation.remote("in_place"))
+            trickle.start(3, lambda c, i: long_request(c, i, session))
+            _wait("3 requests held on worker-1", lambda: inflight("worker-1") >= 3)
         finally:
+            ray.get(worker("worker-0").continue_generation.remote())
             statuses = burst.finish()
         try:
+            # 3 requests in flight on 2 workers, target 4: one worker is enough; the last
+            # one added (worker-1) drains with its 3 requests held in flight ...
+            removal = _wait("worker-1 draining away", lambda: [
+                r for r in _fleet(base)["autoscaling"]["removals"]
+                if r["worker_id"] == "worker-1"])[0]
+            assert removal["seconds"] is None  # it waits for its requests
+            assert [w["state"] for w in _fleet(base)["workers"]
+                    if w["worker_id"] == "worker-1"] == ["draining"]
+            ray.get(worker("worker-1").continue_generation.remote())
+            # ... which finish; then it stops
             removal = _wait("worker-1 drained away", lambda: [
                 r for r in _fleet(base)["autoscaling"]["removals"]
                 if r["worker_id"] == "worker-1" and r["seconds"] is not None])[0]
+            _wait("the trickle served by worker-0", lambda: trickled_on[-1:] == ["worker-0"])
         finally:
+            try:
+                ray.get(worker("worker-1").continue_generation.remote())
+            except Exception:  # noqa: BLE001 - stopped already: nothing held
+                pass
             statuses += trickle.finish()
         assert statuses and all(s == 200 for s in statuses), sorted(set(statuses))
-        assert removal["inflight_at_drain"] >= 1 and removal["aborted"] == 0
+        assert removal["inflight_at_drain"] >= 3 and removal["aborted"] == 0
         state = _fleet(base)
         assert [(w["worker_id"], w["state"]) for w in state["workers"]] == [("worker-0", "ready")]
         decisions = state["autoscaling"]["decisions"]
@@ -162,7 +198,27 @@ def test_a_burst_adds_a_worker_and_the_lull_drains_it_away(tiny_llama_dir):
                        lambda: _controller_log_lines("autoscaling unified: "))
         assert any("up 1 -> 2" in line and "ongoing_requests=" in line for line in logged)
         assert any("down 2 -> 1" in line for line in logged)
+        # a restarted controller adopts the worker it has (slot and placement group from
+        # its checkpoint) and does not bring back the one drained away
+        before = {w["worker_id"]: (w["started_at"], w["generation"]) for w in state["workers"]}
+        ray.kill(ray.get_actor(cfg.controller_name(), namespace=cfg.namespace),
+                 no_restart=False)
+        state = _wait("the controller back with its worker", lambda: (lambda s: s if s and s[
+            "controller"]["restarted"] and all(w["state"] == "ready" for w in s[
+                "workers"]) else None)(_fleet_or_none(base)))
+        assert {w["worker_id"]: (w["started_at"], w["generation"])
+                for w in state["workers"]} == before
+        groups = {g["name"]: g["state"] for g in ray.util.placement_group_table().values()}
+        assert sorted(groups.values()).count("CREATED") == 1, groups
         # the fleet keeps serving on its one worker
         r = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "after",
                                                        "max_tokens": 4}, timeout=120)
         assert r.status_code == 200
+
+
+def _fleet_or_none(base: str) -> dict | None:
+    try:
+        r = httpx.get(f"{base}/fleet", timeout=60)
+    except httpx.HTTPError:
+        return None
+    return r.json() if r.status_code == 200 else None
