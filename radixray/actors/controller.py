@@ -33,7 +33,16 @@ import time
 from radixray.actors import fleet_checkpoint
 from radixray.actors.fleet_checkpoint import FleetCheckpoint
 from radixray.actors.fleet_ops import FleetOperations
-from radixray.actors.lifecycle import reconstructed
+from radixray.actors.fleet_scaler import FleetScaler
+from radixray.actors.lifecycle import every, reconstructed
+from radixray.actors.placement import (
+    in_bundle,
+    own_group,
+    remove_group,
+    rendezvous,
+    slot_placement,
+    workers_per_node,
+)
 from radixray.actors.weight_rollout import FleetWeights
 from radixray.cluster.config import ServeConfig
 from radixray.cluster.errors import actor_unreachable, unwrap_ray_error
@@ -71,6 +80,8 @@ class Controller(FleetOperations):
         self.policy = self.cfg.router.policy  # the routing policy, as set at run time
         self.restarted = reconstructed()
         self._group_locks: dict[int, asyncio.Lock] = {}  # one replacement per group at a time
+        # autoscaled fleets: a placement group per worker, added and drained away on load
+        self.scaler = FleetScaler(self) if self.cfg.fleet.autoscaling is not None else None
         if self.restarted:  # Ray restarted this actor: rebuild the fleet from its actors now
             logger.warning("controller restarted: rebuilding the fleet %s from its running "
                            "actors", self.cfg.controller_name())
@@ -110,7 +121,15 @@ class Controller(FleetOperations):
             max_restarts=fleet.actor_max_restarts).remote(
                 self.cfg.router.settings(), ray.get_runtime_context().current_actor,
                 self._owner_name())
-        records = [self.registry.add(i, role) for i, role in enumerate(self.cfg.slot_roles())]
+        if saved is not None and saved.layout:  # an autoscaled fleet's slots as they were
+            records = [self.registry.add(i, role) for i, role, _ in sorted(saved.layout.values())]
+            for rec, (_, _, group) in zip(records, sorted(saved.layout.values())):
+                rec.placement_group = group
+        else:
+            records = [self.registry.add(i, role)
+                       for i, role in enumerate(self.cfg.slot_roles())]
+        if self.scaler is not None:
+            self.scaler.adopt(records)
         adopted = 0
         for group in self._groups(records):
             for rec in group:
@@ -139,6 +158,8 @@ class Controller(FleetOperations):
                     adopted, self.policy, fleet.placement_strategy,
                     bundles if any(bundles) else "(no bundle)")
         self._spawn(self._health_loop())
+        if self.scaler is not None:
+            self._spawn(self.scaler.run())
         await self._publish()
 
     def _restore(self, saved: FleetCheckpoint) -> None:
@@ -157,7 +178,9 @@ class Controller(FleetOperations):
             self.placement_group, self._first_bundle, self._owns_placement_group, self.draining,
             *self.weights.saved(), self.policy,
             {r.worker_id: (r.generation, r.restarts) for r in self.registry},
-            weight_version_floor=self.weights.floor))
+            weight_version_floor=self.weights.floor,
+            layout={r.worker_id: (r.index, r.role, r.placement_group) for r in self.registry}
+            if self.scaler is not None else None))
 
     def _owner_name(self) -> tuple[str, str]:
         """(name, namespace) under which the fleet's actors find their controller."""
@@ -189,6 +212,9 @@ class Controller(FleetOperations):
         :meth:`start`. The group stays its owner's when the fleet stops."""
         if self._start_task is not None:
             raise RuntimeError("adopt_placement_group must come before start()")
+        if self.scaler is not None:
+            raise RuntimeError("an autoscaled fleet gives each worker a placement group of its "
+                               "own; it cannot adopt one")
         self.placement_group, self._first_bundle = group, first_bundle
         self._owns_placement_group = False
 
@@ -210,28 +236,16 @@ class Controller(FleetOperations):
     async def _launch_group(self, group: list[WorkerRecord]) -> None:
         """Create the actors of one group (one worker without EP). The ranks of an EP group
         meet at a rendezvous address on the node of its first rank."""
-        address = await self._rendezvous(group[0]) if self.ep_size > 1 else None
+        for rec in group:
+            if self.scaler is not None:
+                await own_group(self.cfg, rec)
+        address = None
+        if self.ep_size > 1:
+            where, bundles = slot_placement(self.cfg, group[0], self.placement_group,
+                                            self._first_bundle)
+            address = await rendezvous(where, bundles[0])
         for rank, rec in enumerate(group):
             self._launch(rec, {"ep_rank": rank, "ep_init_method": address} if address else None)
-
-    async def _rendezvous(self, rec: WorkerRecord) -> str:
-        """``tcp://ip:port`` free on the node of ``rec``'s bundle (a task placed there)."""
-        import ray
-        options = {"num_cpus": 0}
-        options.update(self._in_bundle(self._bundles(rec)[0]))
-        return await ray.remote(_free_address).options(**options).remote()
-
-    def _bundles(self, rec: WorkerRecord) -> list[int]:
-        """The placement bundles of ``rec``'s slot: its worker's, then its TP followers'."""
-        return [self._first_bundle + i for i in self.cfg.slot_bundles()[rec.index]]
-
-    def _in_bundle(self, index: int) -> dict:
-        """Actor or task options that place it in bundle ``index`` ({} without a group)."""
-        if self.placement_group is None:
-            return {}
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-            self.placement_group, placement_group_bundle_index=index)}
 
     def _launch(self, rec: WorkerRecord, ep: dict | None = None) -> None:
         """Create the worker actor for ``rec`` in its bundle (returns at once); ``ep``: its
@@ -242,17 +256,16 @@ class Controller(FleetOperations):
         from radixray.actors.tp_ranks import TPPlacement
         s = self.cfg.server
         cpus, gpus = self.cfg.rank_resources()
-        bundles = self._bundles(rec)
+        group, bundles = slot_placement(self.cfg, rec, self.placement_group, self._first_bundle)
         options = dict(num_cpus=cpus, num_gpus=gpus, max_concurrency=1000,
-                       **self._in_bundle(bundles[0]))
-        followers = TPPlacement(self.placement_group,
-                                tuple(bundles[1:]) if self.placement_group else (), cpus, gpus)
+                       **in_bundle(group, bundles[0]))
+        followers = TPPlacement(group, tuple(bundles[1:]) if group else (), cpus, gpus)
         rec.handle = worker_actor_class().options(
             name=self.cfg.worker_name(rec.worker_id), namespace=self.cfg.namespace,
             lifetime="detached", **options).remote(
             {**self.cfg.engine_options_for(rec.role), **(ep or {})}, rec.worker_id, s.warmup,
             s.log_level,
-            cores_shared_by=self._workers_per_node(), niceness=s.worker_niceness,
+            cores_shared_by=workers_per_node(self.cfg), niceness=s.worker_niceness,
             fleet=ray.get_runtime_context().current_actor,
             compute_nice_offset=s.pd_compute_nice_offset, slo=(s.slo_ttft_s, s.slo_tpot_s),
             max_queued_requests=s.max_queued_requests, retry_after_s=s.queue_full_retry_after_s,
@@ -262,12 +275,6 @@ class Controller(FleetOperations):
         rec.weight_version = 0
         rec.started_at = time.time()
         rec.ready_at = None
-
-    def _workers_per_node(self) -> int:
-        # PACK puts every bundle on one node when it fits (the local and single-node case);
-        # SPREAD strategies put one per node.
-        return 1 if "SPREAD" in self.cfg.fleet.placement_strategy else \
-            len(self.cfg.slot_roles())
 
     async def _await_ready(self, rec: WorkerRecord) -> None:
         """Wait for the worker's constructor (model load + warm-up); record the outcome. A
@@ -338,6 +345,7 @@ class Controller(FleetOperations):
         for rec in self.registry:
             rec.set_state("failed")
             rec.error = "fleet stopped"
+            remove_group(rec)
         if self.placement_group is not None and self._owns_placement_group:
             from ray.util import remove_placement_group
             remove_placement_group(self.placement_group)
@@ -351,13 +359,8 @@ class Controller(FleetOperations):
         task.add_done_callback(self._tasks.discard)
 
     async def _health_loop(self) -> None:
-        interval = self.cfg.fleet.health_check_interval_s
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await self.check_health()
-            except Exception:  # noqa: BLE001 - the loop must outlive any one bad round
-                logger.exception("health check round failed")
+        await every(self.cfg.fleet.health_check_interval_s, self.check_health,
+                    "health check round")
 
     async def check_health(self) -> None:
         """Ping every live worker once; restart the dead ones; refresh loads."""
@@ -426,8 +429,8 @@ class Controller(FleetOperations):
         group is replaced whole: its other ranks cannot go on without the dead one."""
         group = self._group_of(rec)
         async with self._group_locks.setdefault(group[0].index, asyncio.Lock()):
-            if rec.state != "dead":
-                return  # replaced meanwhile (with its group)
+            if rec.state != "dead" or rec.retiring:
+                return  # replaced meanwhile (with its group), or being drained away
             fleet = self.cfg.fleet
             for other in group:
                 if other is not rec and other.state not in ("dead", "failed"):
@@ -488,10 +491,3 @@ def controller_actor_class():
     import ray
     return ray.remote(Controller)
 
-
-def _free_address() -> str:
-    """A rendezvous address for torch.distributed on this node (run as a Ray task)."""
-    import ray
-
-    from radixray.engine.ep.group import free_tcp_address
-    return free_tcp_address(ray.util.get_node_ip_address())

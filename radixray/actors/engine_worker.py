@@ -272,7 +272,7 @@ class EngineWorker:
         if snap.pd is not None:
             self.pd_metrics.observe(snap.pd)
         return worker_load(snap, role=self.role, startup_seconds=self.startup_seconds,
-                           inflight=self.num_inflight())
+                           inflight=self.num_inflight(), **self.metrics.latency)
 
     def num_inflight(self) -> int:
         return sum(len(rids) for _, rids in self._channels.values())
@@ -323,6 +323,12 @@ class EngineWorker:
             for channel, _ in self._channels.values():
                 channel.push(ChannelState(self.worker_id, True))
         return self.num_inflight()
+
+    async def close_channels(self) -> None:
+        """End every channel's stream (a drained worker about to stop): its readers see
+        an orderly end instead of a dead actor."""
+        for channel, _ in list(self._channels.values()):
+            channel.push(None)
 
     async def pause_generation(self, mode: str = "abort") -> int:
         return await self._later(self.engine.pause_generation, mode)

@@ -37,6 +37,8 @@ class FleetCheckpoint:
     policy: str | None = None  # the routing policy set at run time
     slots: dict[str, tuple[int, int]] = field(default_factory=dict)  # worker -> (gen, restarts)
     weight_version_floor: int = 0  # the greatest int version served (an older pickle: 0)
+    # an autoscaled fleet: worker -> (slot index, role, its own placement group)
+    layout: dict[str, tuple[int, str, object]] | None = None
 
 
 def _key(controller_name: str) -> bytes:
@@ -72,12 +74,17 @@ def delete(controller_name: str) -> None:
 
 def release_orphaned(controller_name: str) -> None:
     """The controller is gone for good without stopping its fleet: remove the placement
-    group it created (not one it adopted) and the checkpoint."""
+    groups it created (the fleet's, or each autoscaled worker's; not one it adopted) and
+    the checkpoint."""
     saved = load(controller_name)
-    if saved is not None and saved.owns_placement_group and saved.placement_group is not None:
+    if saved is not None:
+        groups = [g for _, _, g in (saved.layout or {}).values() if g is not None]
+        if saved.owns_placement_group and saved.placement_group is not None:
+            groups.append(saved.placement_group)
         from ray.util import remove_placement_group
-        try:
-            remove_placement_group(saved.placement_group)
-        except Exception as exc:  # noqa: BLE001 - already removed
-            logger.warning("could not remove the fleet's placement group: %s", exc)
+        for group in groups:
+            try:
+                remove_placement_group(group)
+            except Exception as exc:  # noqa: BLE001 - already removed
+                logger.warning("could not remove the fleet's placement group: %s", exc)
     delete(controller_name)

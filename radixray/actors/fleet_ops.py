@@ -8,6 +8,7 @@ worker's engine verb and reports by worker id.
 
 A mixin of :class:`~radixray.actors.controller.Controller`, which owns the state these
 methods read: ``registry``, ``router``, ``weights``, ``pd``, ``draining``, ``policy``,
+``scaler`` (None for a fixed fleet),
 and ``_publish`` / ``_checkpoint`` to tell the router and the checkpoint of a change.
 Methods that read the registry wait for a restarted controller's rebuild first.
 """
@@ -19,6 +20,7 @@ import logging
 import time
 
 from radixray.actors.lifecycle import after_rebuild
+from radixray.cluster.autoscaling_metrics import fixed_fleet_families
 from radixray.cluster.errors import WorkerUnavailable, unwrap_ray_error
 from radixray.cluster.messages import FleetHealth, WorkerEntry
 from radixray.cluster.metrics import controller_families
@@ -162,6 +164,8 @@ class FleetOperations:
                "workers": [r.as_json() for r in self.registry], "router": router}
         if self.cfg.fleet.disaggregated:
             out["disaggregation"] = self.pd.status(self.registry)
+        if self.scaler is not None:
+            out["autoscaling"] = self.scaler.state()
         return out
 
     @after_rebuild
@@ -174,7 +178,13 @@ class FleetOperations:
         out = [x for x in results if not isinstance(x, BaseException)]
         if self.router is not None:
             out.append(await self.router.metric_families.remote())
-        out.append(controller_families(self.registry) + self.weights.metrics.families())
+        if self.scaler is not None:
+            scaling = self.scaler.metrics.families()
+        else:
+            scaling = fixed_fleet_families({role: len([r for r in self.registry.in_state(
+                "starting", "ready") if r.role == role]) for role in self.cfg.fleet.role_counts()})
+        out.append(controller_families(self.registry) + self.weights.metrics.families()
+                   + scaling)
         stale = time.monotonic() - self.cfg.fleet.owner_timeout_s
         for owner in [o for o in self._owner_families if self._owners.get(o, 0) < stale]:
             del self._owner_families[owner]  # a replica gone: its series go with it

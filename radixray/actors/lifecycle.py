@@ -95,3 +95,15 @@ def after_rebuild(method):
             await asyncio.shield(task)
         return await method(self, *args, **kwargs)
     return wrapper
+
+
+async def every(interval_s: float, round_fn, what: str) -> None:
+    """Await ``round_fn()`` every ``interval_s`` seconds, for ever: a failed round is logged
+    (as ``what``) and the next one runs, so a control loop outlives any one bad round."""
+    log = logging.getLogger("radixray.controller")
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await round_fn()
+        except Exception:  # noqa: BLE001 - the loop must outlive any one bad round
+            log.exception("%s failed", what)

@@ -21,6 +21,8 @@ from pydantic import (
     model_validator,
 )
 
+from radixray.cluster.autoscaling import RolePolicy
+from radixray.cluster.autoscaling_config import AutoscalingSection
 from radixray.cluster.routing import RouterSettings
 from radixray.engine import options
 from radixray.engine.config import EngineConfig
@@ -204,6 +206,9 @@ class FleetSection(BaseModel):
         -1, ge=-1, description="Ray restarts the controller and router actors after their "
         "process dies this many times (-1: always); workers are restarted by the controller "
         "(max_restarts)")
+    autoscaling: AutoscalingSection | None = Field(
+        None, description="scale the workers between bounds on their load "
+        "(docs/autoscaling.md); null: a fixed fleet")
 
     @model_validator(mode="after")
     def _roles(self) -> FleetSection:
@@ -215,6 +220,7 @@ class FleetSection(BaseModel):
             if self.prefill_engine or self.decode_engine:
                 raise ValueError("fleet.prefill_engine / fleet.decode_engine apply only with "
                                  "fleet.prefill_workers and fleet.decode_workers")
+            self._check_autoscaling()
             return self
         if p < 1 or d < 1:
             raise ValueError(f"prefill-decode disaggregation needs fleet.prefill_workers >= 1 and "
@@ -230,7 +236,26 @@ class FleetSection(BaseModel):
             if bad or "disaggregation_mode" in overrides:
                 raise ValueError(f"fleet.{name}: unknown or fixed engine option(s) "
                                  f"{bad or ['disaggregation_mode']}")
+        self._check_autoscaling()
         return self
+
+    def _check_autoscaling(self) -> None:
+        if self.autoscaling is not None:
+            self.autoscaling.check_counts(self.role_counts())
+
+    def role_counts(self) -> dict[str, int]:
+        """Starting workers by role."""
+        if self.disaggregated:
+            return {"prefill": self.prefill_workers, "decode": self.decode_workers}
+        return {"unified": self.workers}
+
+    def max_workers(self) -> int:
+        """The most workers the fleet runs at once (its starting count when fixed)."""
+        counts = self.role_counts()
+        if self.autoscaling is None:
+            return sum(counts.values())
+        policies = self.autoscaling.policies(counts, 1.0, 1.0)
+        return sum(policies[r].max_workers if r in policies else n for r, n in counts.items())
 
     @property
     def disaggregated(self) -> bool:
@@ -307,6 +332,9 @@ class ServeConfig(BaseModel):
         if self.engine.disaggregation_mode is not None:
             raise ValueError("engine.disaggregation_mode is set per worker by the fleet: use "
                              "fleet.prefill_workers and fleet.decode_workers")
+        if self.engine.ep_size > 1 and self.fleet.autoscaling is not None:
+            raise ValueError(f"fleet.autoscaling with engine.ep_size={self.engine.ep_size} is "
+                             f"not supported yet (an expert-parallel group scales whole)")
         if self.engine.ep_size > 1 and self.fleet.disaggregated:
             raise ValueError(f"engine.ep_size={self.engine.ep_size} with prefill-decode "
                              f"disaggregation (fleet.prefill_workers) is not supported yet")
@@ -318,6 +346,21 @@ class ServeConfig(BaseModel):
                     raise ValueError(f"fleet.{role}_engine: "
                                      f"{format_validation_error(exc, role + '_engine')}") from None
         return self
+
+    def autoscaling_policies(self) -> dict[str, RolePolicy]:
+        """Role -> its scaling policy ({} for a fixed fleet)."""
+        scaling = self.fleet.autoscaling
+        if scaling is None:
+            return {}
+        return scaling.policies(self.fleet.role_counts(), self.server.slo_ttft_s,
+                                self.server.slo_tpot_s)
+
+    def role_bundles(self, role: str) -> list[dict]:
+        """The bundles of one worker of ``role`` in a placement group of its own (an
+        autoscaled fleet's): one per tensor-parallel rank; [] when workers reserve nothing."""
+        bundle = self.rank_bundle()
+        return [dict(bundle) for _ in range(self.engine_options_for(role)["tp_size"])] \
+            if bundle else []
 
     def slot_roles(self) -> list[str]:
         """One role per worker actor, in slot order: each worker of ``fleet.roles()`` is
@@ -353,9 +396,10 @@ class ServeConfig(BaseModel):
         return out
 
     def worker_bundles(self) -> list[dict]:
-        """The fleet placement group's bundles (empty when workers reserve nothing)."""
+        """The fleet placement group's bundles (empty when workers reserve nothing, or when
+        each worker has a group of its own: an autoscaled fleet, see role_bundles)."""
         bundle = self.rank_bundle()
-        if not bundle:
+        if not bundle or self.fleet.autoscaling is not None:  # a group per worker instead
             return []
         return [dict(bundle) for slot in self.slot_bundles() for _ in slot]
 

@@ -87,6 +87,12 @@ class WorkerLoad:
     hicache: dict | None = None  # with enable_hierarchical_cache: KVManager.tier_snapshot()
     grammar: dict | None = None  # structured output: GrammarManager.snapshot() (engine/grammar/)
     spec: dict | None = None  # with speculative_algorithm: SpecStats.snapshot() (engine/speculative/)
+    # finished requests' time to first token and per output token since the worker started
+    # (sum, count): the autoscaler's latency signals (cluster/autoscaling.py)
+    ttft_s_sum: float = 0.0
+    ttft_s_count: int = 0
+    tpot_s_sum: float = 0.0
+    tpot_s_count: int = 0
 
     def as_json(self) -> dict:
         return asdict(self)

@@ -81,6 +81,8 @@ class WorkerMetrics:
         slo.labels(worker_id, "ttft").set(slo_ttft_s)
         slo.labels(worker_id, "tpot").set(slo_tpot_s)
         self._last_update: dict[str, float] = {}
+        self.latency = {"ttft_s_sum": 0.0, "ttft_s_count": 0, "tpot_s_sum": 0.0,
+                        "tpot_s_count": 0}  # WorkerLoad's latency totals
 
     def observe(self, updates: list[RequestUpdate]) -> None:
         """Record one step's updates."""
@@ -97,6 +99,9 @@ class WorkerMetrics:
                     last[rid] = now
                 continue
             last.pop(rid, None)
+            if meta.first_token_latency is not None:
+                self.latency["ttft_s_sum"] += meta.first_token_latency
+                self.latency["ttft_s_count"] += 1
             for seconds, hist in ((meta.first_token_latency, self.ttft),
                                   (meta.e2e_latency, self.e2e), (meta.queue_time, self.queue_time)):
                 if seconds is not None:
@@ -106,6 +111,8 @@ class WorkerMetrics:
                     and meta.first_token_latency is not None:
                 tpot = (meta.e2e_latency - meta.first_token_latency) / (meta.completion_tokens - 1)
                 self.tpot.observe(tpot)
+                self.latency["tpot_s_sum"] += tpot
+                self.latency["tpot_s_count"] += 1
             reason = meta.finish_reason.type if meta.finish_reason else "unknown"
             self.requests.labels(self.worker_id, reason).inc()
             if reason in ("stop", "length") and meta.first_token_latency is not None \

@@ -7,6 +7,7 @@ States and who moves a worker between them (all on the controller)::
     starting | ready | draining --(actor died, or its engine failed)--> dead --(restart)--> starting
     starting --(constructor failed)--> dead       (restarted like any death)
     dead --(restart budget spent or restarts off)--> failed
+    ready --(autoscaler: drain, requests finished)--> removed from the registry
 
 Only ``ready`` workers are routable. Plain Python: no Ray in here.
 """
@@ -45,6 +46,8 @@ class WorkerRecord:
     pid: int | None = None  # the actor's process id (on its node)
     node_ip: str | None = None  # the address of the Ray node it runs on
     tp_ranks: list | None = None  # each tensor-parallel rank's node address and process id
+    placement_group: object = None  # an autoscaled fleet's worker: its own group (actors/placement.py)
+    retiring: bool = False  # being drained away by the autoscaler: never restarted
 
     def set_state(self, state: str) -> None:
         if state not in STATES:
@@ -79,6 +82,10 @@ class Registry:
             return self.records[worker_id]
         except KeyError:
             raise KeyError(f"unknown worker {worker_id!r}; known: {sorted(self.records)}") from None
+
+    def remove(self, worker_id: str) -> WorkerRecord:
+        """Forget a worker slot (the autoscaler drained it away)."""
+        return self.records.pop(worker_id)
 
     def __iter__(self):
         return iter(self.records.values())

@@ -111,3 +111,24 @@ def test_the_gpu_tensor_parallel_service_gives_each_worker_a_pod_of_its_gpus():
     assert float(group["rayStartParams"]["num-gpus"]) == float(pod["nvidia.com/gpu"]) == gpus
     assert float(pod["cpu"]) >= cpus
     assert group["replicas"] >= cfg.fleet.workers  # one pod per worker
+
+
+def test_the_autoscaled_rayservice_can_grow_to_its_fleet_max():
+    """Autoscaling on: KubeRay's in-tree autoscaler is enabled, the fleet's config passes the
+    schema with fleet.autoscaling, and the worker group can grow to hold max_workers engine
+    workers (each reserving worker_num_cpus of a pod's CPUs)."""
+    doc = _docs(ROOT / "k8s" / "rayservice-autoscaling.yaml")[0]
+    cluster = doc["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    assert cluster["autoscalerOptions"]["idleTimeoutSeconds"] > 0
+    app = yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"][0]
+    cfg = ServeConfig.parse(app["args"])
+    scaling = cfg.fleet.autoscaling
+    assert scaling is not None and scaling.min_workers < scaling.max_workers
+    assert cfg.worker_bundles() == []  # a placement group per engine worker
+    (group,) = cluster["workerGroupSpecs"]
+    pod_cpus = float(group["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"])
+    per_pod = int(pod_cpus // cfg.server.worker_num_cpus)
+    assert per_pod >= 1
+    assert group["minReplicas"] * per_pod <= scaling.min_workers
+    assert group["maxReplicas"] * per_pod >= scaling.max_workers
