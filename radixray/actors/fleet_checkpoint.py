@@ -37,6 +37,7 @@ class FleetCheckpoint:
     policy: str | None = None  # the routing policy set at run time
     slots: dict[str, tuple[int, int]] = field(default_factory=dict)  # worker -> (gen, restarts)
     weight_version_floor: int = 0  # the greatest int version served (an older pickle: 0)
+    lora_adapters: dict[str, str] | None = None  # the fleet's LoRA adapters (None: as configured)
 
 
 def _key(controller_name: str) -> bytes:

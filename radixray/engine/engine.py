@@ -38,6 +38,12 @@ from radixray.engine.streams import (
     finished_result,
 )
 from radixray.engine.weights.loader import resolve_model
+from radixray.engine.weights.lora_slots import (
+    read_adapter_for,
+    read_adapter_update,
+    unload_adapter,
+    update_adapter,
+)
 from radixray.engine.weights.session import DEFAULT_GROUP, WeightUpdater
 from radixray.engine.weights.version import WeightVersion
 
@@ -75,6 +81,8 @@ class Engine:
         self._subs = Subscribers(self.config.stream_interval, lambda: self.weights.version,
                                  self.abort)
         self.scheduler = Scheduler(self.config, self.runner, stop_checker, self._subs.deliver)
+        # what build_requests checks a lora_path against (LoraSlots; None without LoRA)
+        self.adapters = self.runner.lora
         self.limits = Limits(self.runner.vocab_size, self.runner.context_len,
                              self.runner.max_total_tokens, moe=self.runner.routes_experts,
                              no_structured_output=no_structured_output(self.config),
@@ -122,7 +130,7 @@ class Engine:
 
     # ---- public API ------------------------------------------------------------------
     def generate(self, prompt=None, sampling_params=None, input_ids=None, rid=None, priority=None,
-                 bootstrap=None):
+                 bootstrap=None, lora_path=None):
         """Run prompts to completion. One prompt -> a dict; a list of prompts -> a list of dicts.
 
         Each dict has ``text``, ``output_ids``, ``meta_info`` (see :class:`MetaInfo`)
@@ -130,9 +138,11 @@ class Engine:
         ``*_top_logprobs`` (see :func:`~radixray.engine.streams.finished_result`).
         Raises ValueError naming the bad field before anything is scheduled.
         ``bootstrap``: on a prefill or decode engine, one PDBootstrap per prompt (or one).
+        ``lora_path``: the LoRA adapter's name (one for all prompts or one per prompt; None:
+        the base model).
         """
         reqs, is_batch = build_requests(prompt, input_ids, sampling_params, self.tokenizer,
-                                        self.limits, rid, priority)
+                                        self.limits, rid, priority, lora_path, self.adapters)
         attach_bootstrap(reqs, bootstrap)
         self._wait(self._submit(reqs))
         for req in reqs:
@@ -141,12 +151,12 @@ class Engine:
         return results if is_batch else results[0]
 
     async def generate_stream(self, prompt=None, sampling_params=None, input_ids=None, rid=None,
-                              priority=None) -> AsyncIterator[dict]:
+                              priority=None, lora_path=None) -> AsyncIterator[dict]:
         """Yield ``{"text": delta, "output_ids": new ids, "finished": bool, "meta_info"?}`` chunks
         (see :class:`~radixray.engine.streams.StreamChunks`). Closing the generator early
         aborts the request."""
         reqs, is_batch = build_requests(prompt, input_ids, sampling_params, self.tokenizer,
-                                        self.limits, rid, priority)
+                                        self.limits, rid, priority, lora_path, self.adapters)
         if is_batch:
             raise ValueError("generate_stream takes one prompt")
         req = reqs[0]
@@ -428,6 +438,28 @@ class Engine:
     @scheduler_verb()
     def update_weight_version(self, new_version: WeightVersion) -> dict:
         return self.weights.relabel(self.scheduler, new_version)
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
+        adapter = read_adapter_for(self.adapters, lora_name, lora_path)  # off the loop
+        self.call_in_loop(lambda _: self.adapters.register(adapter))
+        return {"lora_name": lora_name, "lora_path": lora_path, "rank": adapter.rank,
+                "loaded_adapters": self.lora_adapters()}
+
+    def update_lora_adapter(self, lora_name: str, lora_path: str | None = None,
+                            named_tensors=None,
+                            lora_version: WeightVersion | None = None) -> dict:
+        adapter = read_adapter_update(self.adapters, lora_name, lora_path, named_tensors)
+        return self.call_in_loop(lambda s: update_adapter(self.adapters, s.held_requests(),
+                                                          adapter, lora_version))
+
+    @scheduler_verb()
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        unload_adapter(self.adapters, self.scheduler.held_requests(), lora_name)
+        return {"lora_name": lora_name, "loaded_adapters": self.lora_adapters()}
+
+    def lora_adapters(self) -> dict[str, str]:
+        """The loaded LoRA adapters: name -> path (any thread)."""
+        return self.adapters.adapters() if self.adapters is not None else {}
 
     def _weight_fault_point(self, phase: str) -> None:
         if self._faults is not None:
