@@ -8,7 +8,8 @@ GET /v1/models, /metrics, /health, /health_generate, /ready; fleet admin: GET
 RL control (every worker; see actors/weight_rollout.py): POST /pause_generation,
 /continue_generation, /release_memory_occupation, /resume_memory_occupation,
 /update_weights_from_disk, /init_weights_update_group, /update_weights_from_distributed,
-/destroy_weights_update_group, /update_weight_version (a new name, no transfer);
+/destroy_weights_update_group, /update_weight_version (a new name, no transfer),
+/load_lora_adapter, /unload_lora_adapter (on every worker: actors/fleet_lora.py);
 GET /get_weight_version. Tensor updates from a colocated trainer go through the
 controller's Ray handle (``update_weights`` with a tensor source), not HTTP.
 Every error is an OpenAI-style ``{"error": {...}}`` body; schema errors are 400
@@ -48,9 +49,11 @@ from radixray.serve.protocol import (
     DestroyWeightsUpdateGroup,
     GenerateRequest,
     InitWeightsUpdateGroup,
+    LoadLoraAdapter,
     MemoryTags,
     PauseGeneration,
     RouterUpdate,
+    UnloadLoraAdapter,
     UpdateWeightsFromDisk,
     UpdateWeightsFromDistributed,
     UpdateWeightVersion,
@@ -189,7 +192,8 @@ class Ingress:
                                 self.cfg.router.retry_max_attempts, self.cfg.router.retry_backoff_s)
         self.fe = Frontend(tokenizer, info, self.cfg.server.served_model_name, dispatcher,
                            enable_cache_report=self.cfg.server.enable_cache_report,
-                           limits=RequestLimits.from_server(self.cfg.server), chat=chat)
+                           limits=RequestLimits.from_server(self.cfg.server), chat=chat,
+                           adapter_source=lambda: self.controller.lora_adapters.remote())
         self.collector = FleetCollector()
         from prometheus_client import CollectorRegistry
         self.registry = CollectorRegistry(auto_describe=False)
@@ -281,7 +285,7 @@ class Ingress:
 
     @app.get("/v1/models")
     async def models(self):
-        return openai_serving.models_list(self.fe)
+        return await openai_serving.models_list(self.fe)
 
     # ---- operations -----------------------------------------------------------------
     @app.get("/ready")
@@ -417,6 +421,21 @@ class Ingress:
     async def update_weights_from_distributed(self, body: UpdateWeightsFromDistributed):
         source = DistributedWeights(body.names, body.dtypes, body.shapes, body.group_name)
         return await self._update(source, body)
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(self, body: LoadLoraAdapter):
+        """SGLang's: serve a PEFT adapter on every worker, all or none."""
+        result = await self._admin(self.controller.load_lora_adapter.remote(body.lora_name,
+                                                                             body.lora_path))
+        await self.fe.refresh_adapters()
+        return {"success": True, "message": f"LoRA adapter {body.lora_name!r} loaded", **result}
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(self, body: UnloadLoraAdapter):
+        result = await self._admin(self.controller.unload_lora_adapter.remote(body.lora_name))
+        await self.fe.refresh_adapters()
+        return {"success": True, "message": f"LoRA adapter {body.lora_name!r} unloaded",
+                **result}
 
     async def _update(self, source: WeightSource, body) -> dict:
         result = await self._admin(self.controller.update_weights.remote(

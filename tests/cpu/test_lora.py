@@ -15,7 +15,6 @@ import torch
 from model_fixtures import (
     assert_greedy_equal,
     hf_greedy,
-    make_lora_adapters,
     merged_hf,
     random_prompts,
 )
@@ -28,13 +27,8 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_llama_dir, tmp_path_factory):
-    return make_lora_adapters(tiny_llama_dir, str(tmp_path_factory.mktemp("adapters")))
-
-
-@pytest.fixture(scope="module")
-def lora_eng(tiny_llama_dir, adapters):
-    paths = [f"{name}={path}" for name, path in adapters.items()]
+def lora_eng(tiny_llama_dir, lora_adapters):
+    paths = [f"{name}={path}" for name, path in lora_adapters.items()]
     with Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=8192,
                 check_kv_conservation=True, lora_paths=paths) as engine:
         yield engine
@@ -42,12 +36,12 @@ def lora_eng(tiny_llama_dir, adapters):
 
 
 @pytest.fixture(scope="module")
-def references(tiny_llama_dir, adapters):
+def references(tiny_llama_dir, lora_adapters):
     """HF greedy tokens (and top-2 gaps) per (adapter or None, prompt index)."""
     prompts = random_prompts(256)[:6]
     out = {}
-    for name in (None, *adapters):
-        hf = merged_hf(tiny_llama_dir, adapters.get(name))
+    for name in (None, *lora_adapters):
+        hf = merged_hf(tiny_llama_dir, lora_adapters.get(name))
         for i, p in enumerate(prompts):
             out[(name, i)] = hf_greedy(hf, p, NEW_TOKENS)
     return prompts, out
@@ -71,13 +65,13 @@ def test_one_mixed_batch_equals_hf_with_each_adapter_merged(lora_eng, references
         assert_greedy_equal(out["output_ids"], ref, gaps, f"adapter {name} prompt {p}")
 
 
-def test_one_slot_serves_a_mixed_batch_by_turns(tiny_llama_dir, adapters, references):
+def test_one_slot_serves_a_mixed_batch_by_turns(tiny_llama_dir, lora_adapters, references):
     prompts, refs = references
     loras = ["alpha", "beta", None, "beta", "alpha"]
     with Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=4096,
                 check_kv_conservation=True, enable_lora=True, max_lora_rank=8,
                 max_loras_per_batch=1) as eng:
-        for name, path in adapters.items():
+        for name, path in lora_adapters.items():
             eng.load_lora_adapter(name, path)
         outs = eng.generate(input_ids=prompts[:5], sampling_params=GREEDY, lora_path=loras)
         for i, (out, name) in enumerate(zip(outs, loras)):
@@ -114,19 +108,19 @@ def test_an_unknown_adapter_is_refused_by_name(lora_eng, eng):
         eng.generate(input_ids=[1, 2, 3], lora_path="alpha")
 
 
-def test_adapters_load_and_unload_through_the_verbs(tiny_llama_dir, adapters, references):
+def test_adapters_load_and_unload_through_the_verbs(tiny_llama_dir, lora_adapters, references):
     prompts, refs = references
     with Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=4096,
                 enable_lora=True, max_lora_rank=4) as eng:
         assert eng.lora_adapters() == {}
-        out = eng.load_lora_adapter("alpha", adapters["alpha"])
-        assert out["rank"] == 4 and out["loaded_adapters"] == {"alpha": adapters["alpha"]}
+        out = eng.load_lora_adapter("alpha", lora_adapters["alpha"])
+        assert out["rank"] == 4 and out["loaded_adapters"] == {"alpha": lora_adapters["alpha"]}
         with pytest.raises(ValueError, match="rank 8, above max_lora_rank=4"):
-            eng.load_lora_adapter("beta", adapters["beta"])
+            eng.load_lora_adapter("beta", lora_adapters["beta"])
         with pytest.raises(ValueError, match="already loaded"):
-            eng.load_lora_adapter("alpha", adapters["alpha"])
+            eng.load_lora_adapter("alpha", lora_adapters["alpha"])
         with pytest.raises(ValueError, match="adapter_config.json"):
-            eng.load_lora_adapter("nowhere", os.path.join(adapters["alpha"], "missing"))
+            eng.load_lora_adapter("nowhere", os.path.join(lora_adapters["alpha"], "missing"))
         got = eng.generate(input_ids=prompts[0], sampling_params=GREEDY, lora_path="alpha")
         assert_greedy_equal(got["output_ids"], *refs[("alpha", 0)], "loaded alpha")
         assert eng.unload_lora_adapter("alpha") == {"lora_name": "alpha", "loaded_adapters": {}}
@@ -135,7 +129,7 @@ def test_adapters_load_and_unload_through_the_verbs(tiny_llama_dir, adapters, re
         with pytest.raises(ValueError, match="unknown LoRA adapter 'alpha'"):
             eng.unload_lora_adapter("alpha")
         # reloaded: a new namespace, so the KV of the first load is not reused
-        eng.load_lora_adapter("alpha", adapters["alpha"])
+        eng.load_lora_adapter("alpha", lora_adapters["alpha"])
         again = eng.generate(input_ids=prompts[0], sampling_params=GREEDY, lora_path="alpha")
         assert again["output_ids"] == got["output_ids"]
         assert again["meta_info"]["cached_tokens"] == 0
@@ -170,7 +164,7 @@ def test_lora_options_are_checked():
 
 
 def test_an_adapter_update_changes_only_that_adapters_outputs_version_stamped(
-        tiny_llama_dir, adapters, references, tmp_path):
+        tiny_llama_dir, lora_adapters, references, tmp_path):
     from model_fixtures import LORA_ADAPTERS, make_lora_adapter
     from safetensors.torch import load_file
 
@@ -179,7 +173,7 @@ def test_an_adapter_update_changes_only_that_adapters_outputs_version_stamped(
     rank, alpha, rslora, _ = LORA_ADAPTERS["alpha"]
     v2 = make_lora_adapter(tiny_llama_dir, str(tmp_path / "alpha-v2"), rank, alpha, rslora, 99)
     want_v2, gaps_v2 = hf_greedy(merged_hf(tiny_llama_dir, v2), prompts[3], NEW_TOKENS)
-    paths = [f"{name}={path}" for name, path in adapters.items()]
+    paths = [f"{name}={path}" for name, path in lora_adapters.items()]
     loras = [None, "alpha", "beta"]
     with Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=4096,
                 check_kv_conservation=True, lora_paths=paths) as eng:
@@ -201,13 +195,13 @@ def test_an_adapter_update_changes_only_that_adapters_outputs_version_stamped(
         assert after[2]["meta_info"]["cached_tokens"] == len(prompts[3]) - 1
         with pytest.raises(VersionRefused, match="greater than 0"):
             eng.update_lora_adapter("alpha", named_tensors=tensors, lora_version=0)
-        beta = load_file(os.path.join(adapters["beta"], "adapter_model.safetensors"))
+        beta = load_file(os.path.join(lora_adapters["beta"], "adapter_model.safetensors"))
         with pytest.raises(ValueError, match=r"lora_A is \[4, \d+\], the update sends \[8, "):
             eng.update_lora_adapter("alpha", named_tensors=beta)
         with pytest.raises(ValueError, match="unknown LoRA adapter 'gamma'"):
             eng.update_lora_adapter("gamma", named_tensors=tensors)
         # the whole adapter from a folder, the next int version: the first weights again
-        back = eng.update_lora_adapter("alpha", lora_path=adapters["alpha"])
+        back = eng.update_lora_adapter("alpha", lora_path=lora_adapters["alpha"])
         assert back["lora_version"] == 1 and back["previous_version"] == "step-1"
         again = run()
         assert again[1]["output_ids"] == before[1]["output_ids"]

@@ -60,16 +60,14 @@ def test_the_triton_lora_matmul_equals_the_reference(dtype, tol):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the engine here runs on the CPU")
-def test_the_engine_gives_the_same_tokens_through_the_triton_kernels(tiny_llama_dir, tmp_path):
-    from model_fixtures import make_lora_adapters
-
+def test_the_engine_gives_the_same_tokens_through_the_triton_kernels(tiny_llama_dir,
+                                                                     lora_adapters):
     from radixray import Engine
-    adapters = make_lora_adapters(tiny_llama_dir, str(tmp_path))
     greedy = {"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": True}
     prompts = [[5, 9, 13, 2, 44], [7, 7, 8], [100, 3, 19, 27]]
     loras = ["alpha", None, "beta"]
     with Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=1024,
-                lora_paths=[f"{n}={p}" for n, p in adapters.items()],
+                lora_paths=[f"{n}={p}" for n, p in lora_adapters.items()],
                 disable_radix_cache=True) as eng:
         by_torch = eng.generate(input_ids=prompts, sampling_params=greedy, lora_path=loras)
         eng.call_in_loop(lambda s: setattr(s.runner.lora, "kernel", "triton"))
