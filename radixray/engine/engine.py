@@ -41,6 +41,7 @@ from radixray.engine.weights.loader import resolve_model
 from radixray.engine.weights.lora_slots import (
     read_adapter_for,
     read_adapter_update,
+    register_adapter,
     unload_adapter,
     update_adapter,
 )
@@ -138,8 +139,7 @@ class Engine:
         ``*_top_logprobs`` (see :func:`~radixray.engine.streams.finished_result`).
         Raises ValueError naming the bad field before anything is scheduled.
         ``bootstrap``: on a prefill or decode engine, one PDBootstrap per prompt (or one).
-        ``lora_path``: the LoRA adapter's name (one for all prompts or one per prompt; None:
-        the base model).
+        ``lora_path``: a LoRA adapter's name, for all prompts or per prompt (None: the base).
         """
         reqs, is_batch = build_requests(prompt, input_ids, sampling_params, self.tokenizer,
                                         self.limits, rid, priority, lora_path, self.adapters)
@@ -441,9 +441,7 @@ class Engine:
 
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
         adapter = read_adapter_for(self.adapters, lora_name, lora_path)  # off the loop
-        self.call_in_loop(lambda _: self.adapters.register(adapter))
-        return {"lora_name": lora_name, "lora_path": lora_path, "rank": adapter.rank,
-                "loaded_adapters": self.lora_adapters()}
+        return self.call_in_loop(lambda _: register_adapter(self.adapters, adapter))
 
     def update_lora_adapter(self, lora_name: str, lora_path: str | None = None,
                             named_tensors=None,
@@ -454,8 +452,7 @@ class Engine:
 
     @scheduler_verb()
     def unload_lora_adapter(self, lora_name: str) -> dict:
-        unload_adapter(self.adapters, self.scheduler.held_requests(), lora_name)
-        return {"lora_name": lora_name, "loaded_adapters": self.lora_adapters()}
+        return unload_adapter(self.adapters, self.scheduler.held_requests(), lora_name)
 
     def lora_adapters(self) -> dict[str, str]:
         """The loaded LoRA adapters: name -> path (any thread)."""

@@ -319,9 +319,18 @@ def read_adapter_for(slots: LoraSlots | None, name: str, path: str) -> LoraAdapt
     return adapter
 
 
-def unload_adapter(slots: LoraSlots | None, held: list, name: str) -> None:
-    """Scheduler thread: drop adapter ``name``. ValueError naming it when it is not loaded or
-    when requests ``held`` by the scheduler still use it (nothing changes then)."""
+def register_adapter(slots: LoraSlots, adapter: LoraAdapter) -> dict:
+    """Scheduler thread: serve ``adapter`` (read by :func:`read_adapter_for`); the load
+    verb's answer."""
+    slots.register(adapter)
+    return {"lora_name": adapter.name, "lora_path": adapter.path, "rank": adapter.rank,
+            "loaded_adapters": slots.adapters()}
+
+
+def unload_adapter(slots: LoraSlots | None, held: list, name: str) -> dict:
+    """Scheduler thread: drop adapter ``name``; the unload verb's answer. ValueError naming
+    it when it is not loaded or when requests ``held`` by the scheduler still use it
+    (nothing changes then)."""
     if slots is None or slots.namespace(name) is None:
         raise ValueError(f"unload_lora_adapter: unknown LoRA adapter {name!r}; loaded "
                          f"adapters: {sorted(slots.adapters()) if slots else []}")
@@ -330,6 +339,7 @@ def unload_adapter(slots: LoraSlots | None, held: list, name: str) -> None:
         raise ValueError(f"unload_lora_adapter: LoRA adapter {name!r} is in use by {users} "
                          "request(s); unload it once they finish")
     slots.unregister(name)
+    return {"lora_name": name, "loaded_adapters": slots.adapters()}
 
 
 def read_adapter_update(slots: LoraSlots | None, name: str, lora_path: str | None,
