@@ -9,7 +9,8 @@ RL control (every worker; see actors/weight_rollout.py): POST /pause_generation,
 /continue_generation, /release_memory_occupation, /resume_memory_occupation,
 /update_weights_from_disk, /init_weights_update_group, /update_weights_from_distributed,
 /destroy_weights_update_group, /update_weight_version (a new name, no transfer),
-/load_lora_adapter, /unload_lora_adapter (on every worker: actors/fleet_lora.py);
+/load_lora_adapter, /unload_lora_adapter, /update_lora_adapter (on every worker:
+actors/fleet_lora.py);
 GET /get_weight_version. Tensor updates from a colocated trainer go through the
 controller's Ray handle (``update_weights`` with a tensor source), not HTTP.
 Every error is an OpenAI-style ``{"error": {...}}`` body; schema errors are 400
@@ -54,6 +55,7 @@ from radixray.serve.protocol import (
     PauseGeneration,
     RouterUpdate,
     UnloadLoraAdapter,
+    UpdateLoraAdapter,
     UpdateWeightsFromDisk,
     UpdateWeightsFromDistributed,
     UpdateWeightVersion,
@@ -429,6 +431,13 @@ class Ingress:
                                                                              body.lora_path))
         await self.fe.refresh_adapters()
         return {"success": True, "message": f"LoRA adapter {body.lora_name!r} loaded", **result}
+
+    @app.post("/update_lora_adapter")
+    async def update_lora_adapter(self, body: UpdateLoraAdapter):
+        """New weights for a served adapter on every worker, under its own version."""
+        result = await self._admin(self.controller.update_lora_adapter.remote(
+            body.lora_name, body.lora_path, body.lora_version))
+        return {"success": True, **result}
 
     @app.post("/unload_lora_adapter")
     async def unload_lora_adapter(self, body: UnloadLoraAdapter):

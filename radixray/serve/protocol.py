@@ -389,6 +389,19 @@ class UnloadLoraAdapter(BaseModel):
     lora_name: str = Field(description="the adapter's name")
 
 
+class UpdateLoraAdapter(BaseModel):
+    """POST /update_lora_adapter: new weights for a served adapter on every worker (RL with
+    a LoRA policy), under the adapter's own version."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(description="the adapter's name")
+    lora_path: str = Field(description="the PEFT folder of its new weights")
+    lora_version: int | str | None = Field(None, description="an int greater than every int "
+                                           "version the adapter served, or a string label; "
+                                           "null: the next int")
+
+
 class RouterUpdate(BaseModel):
     """POST /fleet/router: change the routing policy at run time."""
 

@@ -60,6 +60,14 @@ def test_adapters_are_listed_loaded_and_unloaded_on_every_worker(server, lora_ad
     assert r.status_code == 200, r.text
     assert r.json()["workers"] == ["worker-0", "worker-1"]
     assert _models(server)["alpha2"]["parent"] == "tiny"
+    r = httpx.post(f"{server}/update_lora_adapter", json={
+        "lora_name": "alpha2", "lora_path": lora_adapters["alpha"], "lora_version": "v2"},
+        timeout=120)
+    assert r.status_code == 200, r.text
+    assert {w: v["lora_version"] for w, v in r.json()["workers"].items()} == {
+        "worker-0": "v2", "worker-1": "v2"}
+    meta = _generate(server, [4, 5, 6], "alpha2")["meta_info"]
+    assert (meta["lora_path"], meta["lora_version"]) == ("alpha2", "v2")
     r = httpx.post(f"{server}/unload_lora_adapter", json={"lora_name": "alpha2"}, timeout=120)
     assert r.status_code == 200, r.text
     assert "alpha2" not in _models(server)
