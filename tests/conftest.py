@@ -42,6 +42,14 @@ tiny_qwen2_moe_dir = _tiny_model_dir("qwen2_moe")  # with a shared expert
 tiny_mixtral_dir = _tiny_model_dir("mixtral")
 
 
+@pytest.fixture(scope="session")
+def lora_adapters(tiny_llama_dir, tmp_path_factory):
+    """Two PEFT adapters of the tiny Llama, ``alpha`` (rank 4) and ``beta`` (rank 8, rsLoRA),
+    on every projection: name -> folder (model_fixtures.LORA_ADAPTERS)."""
+    from model_fixtures import make_lora_adapters
+    return make_lora_adapters(tiny_llama_dir, str(tmp_path_factory.mktemp("lora-adapters")))
+
+
 @pytest.fixture(scope="module")
 def eng(tiny_llama_dir):
     """An fp32 engine over the tiny Llama that checks KV conservation after every step."""

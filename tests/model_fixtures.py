@@ -174,3 +174,46 @@ def run_all_modes(model_dir: str, prompts: list[list[int]], hf_model, label: str
                 check_kv_conservation=True, **engine_options) as eng:
         check(eng.generate(input_ids=prompts, sampling_params=greedy), "chunked-16")
         eng.check_kv_conservation()
+
+
+# ---- LoRA adapters (tests/cpu/test_lora.py, test_lora_serving.py) ------------------------
+LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name -> (rank, alpha, rsLoRA, seed)
+LORA_ADAPTERS = {"alpha": (4, 8, False, 11), "beta": (8, 16, True, 12)}
+
+
+def make_lora_adapter(base_dir: str, folder: str, rank: int, alpha: int, rslora: bool,
+                      seed: int) -> str:
+    """A PEFT adapter on every projection of ``base_dir``'s model, with random non-zero A
+    and B (PEFT starts B at zero), saved to ``folder``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=LORA_MODULES, use_rslora=rslora,
+                     lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
+    peft_model.save_pretrained(folder)
+    return folder
+
+
+def make_lora_adapters(base_dir: str, root: str) -> dict[str, str]:
+    """``LORA_ADAPTERS`` made under ``root``: name -> folder."""
+    return {name: make_lora_adapter(base_dir, os.path.join(root, name), *spec)
+            for name, spec in LORA_ADAPTERS.items()}
+
+
+def merged_hf(base_dir: str, adapter_dir: str | None):
+    """The Hugging Face model of ``base_dir`` with the adapter merged into its weights
+    (peft's merge_and_unload), fp32; the plain model without an adapter."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    if adapter_dir is None:
+        return model
+    from peft import PeftModel
+    return PeftModel.from_pretrained(model, adapter_dir).merge_and_unload().eval()

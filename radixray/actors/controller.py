@@ -32,6 +32,7 @@ import time
 
 from radixray.actors import fleet_checkpoint
 from radixray.actors.fleet_checkpoint import FleetCheckpoint
+from radixray.actors.fleet_lora import FleetAdapters
 from radixray.actors.fleet_ops import FleetOperations
 from radixray.actors.fleet_scaler import FleetScaler
 from radixray.actors.lifecycle import every, reconstructed
@@ -77,6 +78,8 @@ class Controller(FleetOperations):
         self._watchdog: asyncio.Task | None = None
         self.weights = FleetWeights()  # the fleet's weight version and its updates
         self.pd = PDBootstrapService()  # prefill-decode endpoints and handshake
+        # the LoRA adapters every worker serves (actors/fleet_lora.py)
+        self.adapters = FleetAdapters.from_engine_options(self.cfg.engine_options_for("unified"))
         self.policy = self.cfg.router.policy  # the routing policy, as set at run time
         self.restarted = reconstructed()
         self._group_locks: dict[int, asyncio.Lock] = {}  # one replacement per group at a time
@@ -170,6 +173,8 @@ class Controller(FleetOperations):
         self.draining, self.policy = saved.draining, saved.policy or self.policy
         self.weights.restore(saved.weight_version, saved.replay, saved.stale,
                              saved.weight_version_floor)
+        if saved.lora_adapters is not None:
+            self.adapters = FleetAdapters(saved.lora_adapters)
         logger.info("restored the fleet's checkpoint: weight version %r, draining %s, "
                     "policy %s", saved.weight_version, saved.draining, self.policy)
 
@@ -178,7 +183,7 @@ class Controller(FleetOperations):
             self.placement_group, self._first_bundle, self._owns_placement_group, self.draining,
             *self.weights.saved(), self.policy,
             {r.worker_id: (r.generation, r.restarts) for r in self.registry},
-            weight_version_floor=self.weights.floor,
+            weight_version_floor=self.weights.floor, lora_adapters=dict(self.adapters.adapters),
             layout={r.worker_id: (r.index, r.role, r.placement_group) for r in self.registry}
             if self.scaler is not None else None))
 
@@ -263,7 +268,8 @@ class Controller(FleetOperations):
         rec.handle = worker_actor_class().options(
             name=self.cfg.worker_name(rec.worker_id), namespace=self.cfg.namespace,
             lifetime="detached", **options).remote(
-            {**self.cfg.engine_options_for(rec.role), **(ep or {})}, rec.worker_id, s.warmup,
+            {**self.cfg.engine_options_for(rec.role), **self.adapters.engine_options(),
+             **(ep or {})}, rec.worker_id, s.warmup,
             s.log_level,
             cores_shared_by=workers_per_node(self.cfg), niceness=s.worker_niceness,
             fleet=ray.get_runtime_context().current_actor,

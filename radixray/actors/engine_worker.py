@@ -198,7 +198,7 @@ class EngineWorker:
         for r in requests:
             built, _ = build_requests(None, r.input_ids, r.sampling_params,
                                       self.engine.tokenizer, self.engine.limits, r.rid,
-                                      r.priority)
+                                      r.priority, r.lora_path, self.engine.adapters)
             attach_bootstrap(built, r.bootstrap)
             reqs.extend(built)
         channel, rids = entry
@@ -436,6 +436,18 @@ class EngineWorker:
 
     async def update_weight_version(self, new_version: WeightVersion) -> dict:
         return await self._later(self.engine.update_weight_version, new_version)
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
+        return await asyncio.to_thread(self.engine.load_lora_adapter, lora_name, lora_path)
+
+    async def update_lora_adapter(self, lora_name: str, lora_path: str | None = None,
+                                  named_tensors=None,
+                                  lora_version: WeightVersion | None = None) -> dict:
+        return await asyncio.to_thread(self.engine.update_lora_adapter, lora_name, lora_path,
+                                       named_tensors, lora_version)
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict:
+        return await self._later(self.engine.unload_lora_adapter, lora_name)
 
     async def metric_families(self) -> list:
         """This worker's Prometheus families (picklable) for the ingress's /metrics."""

@@ -39,6 +39,7 @@ class FleetCheckpoint:
     weight_version_floor: int = 0  # the greatest int version served (an older pickle: 0)
     # an autoscaled fleet: worker -> (slot index, role, its own placement group)
     layout: dict[str, tuple[int, str, object]] | None = None
+    lora_adapters: dict[str, str] | None = None  # the fleet's LoRA adapters (None: as configured)
 
 
 def _key(controller_name: str) -> bytes:

@@ -213,6 +213,36 @@ class FleetOperations:
         return result
 
     @after_rebuild
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
+        """Serve the adapter on every live worker, all or none (actors/fleet_lora.py)."""
+        try:
+            return await self.adapters.load(self.registry.live(), lora_name, lora_path)
+        finally:
+            self._checkpoint()
+
+    @after_rebuild
+    async def unload_lora_adapter(self, lora_name: str) -> dict:
+        try:
+            return await self.adapters.unload(self.registry.live(), lora_name)
+        finally:
+            self._checkpoint()
+
+    @after_rebuild
+    async def update_lora_adapter(self, lora_name: str, lora_path: str,
+                                  lora_version: int | str | None = None) -> dict:
+        """Every live worker serves the adapter's weights from ``lora_path`` as
+        ``lora_version`` (None: each worker's next int); results by worker."""
+        try:
+            return await self.adapters.update(self.registry.live(), lora_name, lora_path,
+                                              lora_version)
+        finally:
+            self._checkpoint()
+
+    async def lora_adapters(self) -> dict[str, str]:
+        """The LoRA adapters the fleet serves: name -> path."""
+        return dict(self.adapters.adapters)
+
+    @after_rebuild
     async def init_weights_update_group(self, master_address: str, master_port: int,
                                         world_size: int, group_name: str = DEFAULT_GROUP,
                                         backend: str = "gloo", timeout_s: float = 600.0) -> dict:

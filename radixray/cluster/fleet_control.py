@@ -41,6 +41,13 @@ class FleetControl(Protocol):
 
     async def update_weight_version(self, new_version: int | str) -> dict: ...
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict: ...
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict: ...
+
+    async def update_lora_adapter(self, lora_name: str, lora_path: str,
+                                  lora_version: int | str | None = None) -> dict: ...
+
     async def init_weights_update_group(self, master_address: str, master_port: int,
                                         world_size: int, group_name: str = DEFAULT_GROUP,
                                         backend: str = "gloo",

@@ -24,6 +24,7 @@ class SubmitRequest:
     sampling_params: SamplingParams
     priority: int | None = None
     bootstrap: PDBootstrap | None = None  # prefill/decode workers: its room and peer
+    lora_path: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 @dataclass(slots=True)

@@ -6,6 +6,12 @@ balance overrides the guess when the workers are clearly imbalanced. ``round_rob
 ``power_of_two`` and ``random`` are the usual baselines. All policies share session
 affinity, ``exclude`` (for retries) and a per-worker :class:`CircuitBreaker`.
 
+LoRA: a request run with an adapter has the adapter's name leading its route text
+(:func:`adapter_route_text`). The prefix tree then keeps each adapter's prefixes apart
+(workers never share KV across adapters), and the router prefers the workers it recently
+sent that adapter to (their adapter slots likely hold it: Ray Serve LLM's multiplexed
+routing) before prefix affinity, unless they are clearly busier than the rest.
+
 Load is this router's own count of in-flight requests: :meth:`Router.pick` adds one to
 the chosen worker and :meth:`Router.release` takes it away, so every pick must be paired
 with exactly one release.
@@ -28,6 +34,22 @@ from radixray.engine.options import option
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "random", "least_load")
 PolicyName = Literal[POLICIES]  # for pydantic schemas (config, admin endpoint)
+
+
+ADAPTER_MARK = "\x00lora:"
+
+
+def adapter_route_text(text: str, adapter: str | None) -> str:
+    """The route text of a request run with LoRA ``adapter`` (None: the base model's)."""
+    return text if adapter is None else f"{ADAPTER_MARK}{adapter}\x00{text}"
+
+
+def adapter_of(text: str) -> str | None:
+    """The adapter a route text names (:func:`adapter_route_text`), or None."""
+    if not text.startswith(ADAPTER_MARK):
+        return None
+    end = text.find("\x00", len(ADAPTER_MARK))
+    return text[len(ADAPTER_MARK):end] if end > 0 else None
 
 
 class NoWorkerAvailable(RuntimeError):
@@ -63,6 +85,9 @@ class RouterSettings:
                                             "circuit (skipped for the cooldown)", ge=1)
     circuit_cooldown_s: float = option(30.0, "seconds a worker with an open circuit is "
                                        "skipped", gt=0.0)
+    adapter_slots: int = option(8, "LoRA: adapters remembered per worker (as its engine's "
+                                "max_loras_per_batch); a request for one of them goes to a "
+                                "worker that ran it recently, before prefix affinity", ge=1)
 
     def __post_init__(self) -> None:
         _check_policy(self.policy)  # the message lists every policy
@@ -74,7 +99,8 @@ class Decision:
     """The chosen worker and why.
 
     ``reason`` is one of "cache_match", "imbalance", "low_match" (cache_aware), "affinity",
-    "round_robin", "power_of_two", "random", "least_load". ``match_rate`` is the best candidate's
+    "round_robin", "power_of_two", "random", "least_load", or "adapter" (a LoRA request
+    sent among the workers that ran its adapter recently). ``match_rate`` is the best candidate's
     matched chars / request chars, set by cache_aware policy decisions only.
     """
 
@@ -112,6 +138,8 @@ class Router:
         self._reasons: Counter[str] = Counter()
         self._picks: Counter[str] = Counter()
         self._versions: dict[str, int | str] = {}  # worker -> weight version its tree entries hold
+        # worker -> the LoRA adapters recently sent to it, least recent first
+        self._adapters: dict[str, OrderedDict[str, None]] = {}
 
     @property
     def settings(self) -> RouterSettings:
@@ -140,6 +168,7 @@ class Router:
         for worker in gone:
             self._tree.remove_worker(worker)
             self._breaker.forget(worker)
+            self._adapters.pop(worker, None)
             if not self._load.get(worker):
                 self._load.pop(worker, None)
         if gone:
@@ -170,8 +199,13 @@ class Router:
                 decision = Decision(mapped, "affinity")
                 if s.policy == "cache_aware":
                     self._tree.insert(text, mapped, self._clock())
+        adapter = adapter_of(text)
         if decision is None:
-            decision = self._by_policy(text, candidates)
+            holders = self._adapter_holders(adapter, candidates) if adapter else None
+            decision = self._by_policy(text, holders or candidates)
+            if holders:
+                decision = dataclasses.replace(decision, reason="adapter")
+        self._remember_adapter(decision.worker, adapter)
         if use_session:
             self._sessions[session_id] = decision.worker
             self._sessions.move_to_end(session_id)
@@ -181,6 +215,29 @@ class Router:
         self._reasons[decision.reason] += 1
         self._picks[decision.worker] += 1
         return decision
+
+    def _adapter_holders(self, adapter: str, candidates: list[str]) -> list[str] | None:
+        """The candidates ``adapter`` was recently sent to, unless they are clearly busier
+        than the least loaded candidate (the cache_aware imbalance thresholds); else None."""
+        holders = [w for w in candidates if adapter in self._adapters.get(w, ())]
+        if not holders:
+            return None
+        s = self._settings
+        low_all = min(self._load[w] for w in candidates)
+        low_held = min(self._load[w] for w in holders)
+        if (low_held - low_all > s.balance_abs_threshold
+                and low_held > s.balance_rel_threshold * low_all):
+            return None
+        return holders
+
+    def _remember_adapter(self, worker: str, adapter: str | None) -> None:
+        if adapter is None:
+            return
+        held = self._adapters.setdefault(worker, OrderedDict())
+        held[adapter] = None
+        held.move_to_end(adapter)
+        while len(held) > self._settings.adapter_slots:
+            held.popitem(last=False)
 
     def _candidates(self, exclude: Collection[str]) -> list[str]:
         if not self._workers:
@@ -317,6 +374,7 @@ class Router:
                     "tree_chars": sizes.get(w, 0),
                     "picks": self._picks.get(w, 0),
                     "weight_version": self._versions.get(w),
+                    "adapters": list(self._adapters.get(w, ())),
                 }
                 for w in self._workers
             },

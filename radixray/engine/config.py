@@ -13,6 +13,7 @@ from radixray.engine import options
 from radixray.engine.options import option
 from radixray.engine.sched.policy import SCHEDULE_POLICIES
 from radixray.engine.speculative.options import SPECULATIVE_ALGORITHMS, check_speculative
+from radixray.engine.weights.lora_options import check_lora
 from radixray.kernels import QUANTIZATIONS
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -197,8 +198,22 @@ class EngineConfig:
         1, "NGRAM: fewest trailing tokens that must match an earlier n-gram to draft", ge=1)
     speculative_ngram_max_match_window_size: int = option(
         12, "NGRAM: longest match considered when choosing among earlier occurrences", ge=1)
+    enable_lora: bool = option(
+        False, "serve LoRA adapters (PEFT format) on the attention and MLP projections, "
+        "chosen per request (lora_path); implied by lora_paths")
+    lora_paths: tuple[str, ...] | None = option(
+        None, "adapters loaded at start-up, each 'name=path' (a PEFT folder: "
+        "adapter_config.json + adapter_model.safetensors) or a bare path (its own name)")
+    max_loras_per_batch: int = option(
+        8, "with LoRA: adapter slots, the most distinct adapters one batch (and the running "
+        "requests together) use; others wait", ge=1)
+    max_lora_rank: int | None = option(
+        None, "with LoRA: the largest adapter rank the slots hold (default: the largest of "
+        "lora_paths' adapters, 16 without any); a larger adapter is refused", ge=1)
 
     def __post_init__(self):
+        if isinstance(self.lora_paths, list):  # a Python caller's list: the frozen form is a tuple
+            object.__setattr__(self, "lora_paths", tuple(self.lora_paths))
         options.validate(self)
         if self.quantization == "w8a8_int8" and self.device != "cpu":
             raise ValueError("quantization='w8a8_int8' runs on the CPU only (device='cpu')")
@@ -222,6 +237,7 @@ class EngineConfig:
             raise ValueError(f"exact=true runs unquantized, got quantization="
                              f"{self.quantization!r}: drop one of them")
         check_speculative(self)
+        check_lora(self)
 
     def _check_deterministic(self) -> None:
         """Deterministic mode runs the batch-invariant CPU kernels: fp32 weights and KV pool,
@@ -260,6 +276,10 @@ class EngineConfig:
         """The inter-token-latency target mixed prefill steps are sized by, or None (fixed
         chunks; :attr:`itl_budget_off_reason` says why)."""
         return None if self.itl_budget_off_reason else self.max_itl_ms
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_paths)
 
     @property
     def chunk_size(self) -> int | None:

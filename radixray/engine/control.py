@@ -273,6 +273,30 @@ class EngineControl(Protocol):
         and the prefix cache stay): ``{"weight_version", "previous_version"}``. A refused
         version raises VersionRefused and changes nothing."""
 
+    # ---- LoRA adapters (engine/weights/lora_slots.py)
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
+        """Read the PEFT adapter at ``lora_path`` and serve it as ``lora_name`` (requests
+        name it in ``lora_path``); ``{"lora_name", "lora_path", "rank", "loaded_adapters"}``.
+        ValueError naming the field: LoRA off, a taken name, a rank above max_lora_rank,
+        a missing or unsupported adapter (nothing changes then)."""
+
+    def update_lora_adapter(self, lora_name: str, lora_path: str | None = None,
+                            named_tensors=None,
+                            lora_version: WeightVersion | None = None) -> dict:
+        """Update loaded adapter ``lora_name`` in place (RL with a LoRA policy): its weights
+        from a PEFT folder (``lora_path``, all of them) or PEFT-named tensors (any subset),
+        served from the next step on under ``lora_version`` (its own version, the base
+        weights' rules; None: the next int). Only this adapter's outputs change; its old KV
+        is never matched again; running requests with it carry the new version in
+        ``meta_info.lora_version``. ``{"lora_name", "lora_version", "previous_version",
+        "running_requests"}``; ValueError (nothing changes) for an unknown adapter or a
+        weight that does not fit, VersionRefused for a refused version."""
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        """Stop serving adapter ``lora_name`` (its slot and host copy go; its cached KV is
+        never matched again); ``{"lora_name", "loaded_adapters"}``. ValueError for an
+        unknown adapter or one that queued or running requests use."""
+
 
 def verbs_of(protocol: type) -> list[str]:
     """The verb names a protocol declares, in declaration order."""

@@ -26,6 +26,7 @@ from radixray.engine.faults import EngineFailed, EngineHealth, FaultInjector, ra
 from radixray.engine.grammar.spec import no_structured_output
 from radixray.engine.inputs import Limits, attach_bootstrap, build_requests
 from radixray.engine.mem_cache.memory_saver import MemorySaver
+from radixray.engine.pd_verbs import PDVerbs
 from radixray.engine.request import Req
 from radixray.engine.sched.inbox import AbortCommand, CallInLoop
 from radixray.engine.sched.scheduler import Scheduler
@@ -38,6 +39,13 @@ from radixray.engine.streams import (
     finished_result,
 )
 from radixray.engine.weights.loader import resolve_model
+from radixray.engine.weights.lora_slots import (
+    read_adapter_for,
+    read_adapter_update,
+    register_adapter,
+    unload_adapter,
+    update_adapter,
+)
 from radixray.engine.weights.session import DEFAULT_GROUP, WeightUpdater
 from radixray.engine.weights.version import WeightVersion
 
@@ -46,7 +54,7 @@ logger = logging.getLogger(__name__)
 ABORT_REQUEST_MESSAGE = "aborted by abort_request"
 
 
-class Engine:
+class Engine(PDVerbs):
     """Serve one model in this process.
 
     ``Engine(model="default", max_total_tokens=..., ...)`` accepts every field of
@@ -75,6 +83,8 @@ class Engine:
         self._subs = Subscribers(self.config.stream_interval, lambda: self.weights.version,
                                  self.abort)
         self.scheduler = Scheduler(self.config, self.runner, stop_checker, self._subs.deliver)
+        # what build_requests checks a lora_path against (LoraSlots; None without LoRA)
+        self.adapters = self.runner.lora
         self.limits = Limits(self.runner.vocab_size, self.runner.context_len,
                              self.runner.max_total_tokens, moe=self.runner.routes_experts,
                              no_structured_output=no_structured_output(self.config),
@@ -122,7 +132,7 @@ class Engine:
 
     # ---- public API ------------------------------------------------------------------
     def generate(self, prompt=None, sampling_params=None, input_ids=None, rid=None, priority=None,
-                 bootstrap=None):
+                 bootstrap=None, lora_path=None):
         """Run prompts to completion. One prompt -> a dict; a list of prompts -> a list of dicts.
 
         Each dict has ``text``, ``output_ids``, ``meta_info`` (see :class:`MetaInfo`)
@@ -130,9 +140,10 @@ class Engine:
         ``*_top_logprobs`` (see :func:`~radixray.engine.streams.finished_result`).
         Raises ValueError naming the bad field before anything is scheduled.
         ``bootstrap``: on a prefill or decode engine, one PDBootstrap per prompt (or one).
+        ``lora_path``: a LoRA adapter's name, for all prompts or per prompt (None: the base).
         """
         reqs, is_batch = build_requests(prompt, input_ids, sampling_params, self.tokenizer,
-                                        self.limits, rid, priority)
+                                        self.limits, rid, priority, lora_path, self.adapters)
         attach_bootstrap(reqs, bootstrap)
         self._wait(self._submit(reqs))
         for req in reqs:
@@ -141,12 +152,12 @@ class Engine:
         return results if is_batch else results[0]
 
     async def generate_stream(self, prompt=None, sampling_params=None, input_ids=None, rid=None,
-                              priority=None) -> AsyncIterator[dict]:
+                              priority=None, lora_path=None) -> AsyncIterator[dict]:
         """Yield ``{"text": delta, "output_ids": new ids, "finished": bool, "meta_info"?}`` chunks
         (see :class:`~radixray.engine.streams.StreamChunks`). Closing the generator early
         aborts the request."""
         reqs, is_batch = build_requests(prompt, input_ids, sampling_params, self.tokenizer,
-                                        self.limits, rid, priority)
+                                        self.limits, rid, priority, lora_path, self.adapters)
         if is_batch:
             raise ValueError("generate_stream takes one prompt")
         req = reqs[0]
@@ -300,40 +311,6 @@ class Engine:
         ValueError without ``enable_eplb`` or while the weights are released."""
         return request_rebalance(self.runner.eplb, self.call_in_loop, self.weights, timeout)
 
-    # ---- prefill-decode pairs (engine/disaggregation/) ---------------------------------
-    def pd_endpoint(self):
-        """The ``KVEndpoint`` a peer writes into (every rank's pool); None when unified."""
-        return self.pd.endpoint if self.pd is not None else None
-
-    def connect_pd_outbox(self, outbox: Callable[[str, object], None]) -> None:
-        """``outbox(worker_id, message)`` delivers room messages to the other worker of a pair
-        (called from the scheduler and sender threads; it must not block)."""
-        self._pd_link().set_outbox(outbox)
-
-    def pd_deliver(self, message) -> None:
-        """A room message from the other worker of the pair (any thread)."""
-        self._pd_link().deliver(message)
-
-    def pd_undeliverable(self, message, error: str) -> None:
-        """``message`` never reached its worker: a room waiting on the answer fails now."""
-        self._pd_link().undeliverable(message, error)
-
-    @scheduler_verb()
-    def pd_status(self) -> dict:
-        """Rooms of this side by state and in all, and whether a test stall holds the KV
-        sender; {} when unified."""
-        return self.pd.status() if self.pd is not None else {}
-
-    def pd_probe(self, endpoint) -> float:
-        """Handshake (prefill engine): write the padding slot of every rank's pool into the
-        peer ``endpoint``'s, every layer; returns the seconds it took."""
-        return self._pd_link().probe(endpoint)
-
-    def _pd_link(self):
-        if self.pd is None:
-            raise ValueError(f"worker {self.worker_id} is unified: it takes no room messages")
-        return self.pd
-
     # ---- measurement (benchmarks) ------------------------------------------------------
     def model_facts(self) -> ModelFacts:
         return self.runner.facts()
@@ -428,6 +405,25 @@ class Engine:
     @scheduler_verb()
     def update_weight_version(self, new_version: WeightVersion) -> dict:
         return self.weights.relabel(self.scheduler, new_version)
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
+        adapter = read_adapter_for(self.adapters, lora_name, lora_path)  # off the loop
+        return self.call_in_loop(lambda _: register_adapter(self.adapters, adapter))
+
+    def update_lora_adapter(self, lora_name: str, lora_path: str | None = None,
+                            named_tensors=None,
+                            lora_version: WeightVersion | None = None) -> dict:
+        adapter = read_adapter_update(self.adapters, lora_name, lora_path, named_tensors)
+        return self.call_in_loop(lambda s: update_adapter(self.adapters, s.held_requests(),
+                                                          adapter, lora_version))
+
+    @scheduler_verb()
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        return unload_adapter(self.adapters, self.scheduler.held_requests(), lora_name)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """The loaded LoRA adapters: name -> path (any thread)."""
+        return self.adapters.adapters() if self.adapters is not None else {}
 
     def _weight_fault_point(self, phase: str) -> None:
         if self._faults is not None:

@@ -94,13 +94,39 @@ def check_logprob_start(sp: SamplingParams, prompt_len: int, limits: Limits, ind
                          f"{index} ({prompt_len} tokens)")
 
 
+def check_adapters(lora_path, n: int, adapters) -> list[tuple[str | None, int, int | str]]:
+    """Each prompt's (adapter name or None, radix-cache namespace, adapter version):
+    ``lora_path`` is one
+    adapter name for every prompt, one per prompt, or None. ``adapters``: the engine's
+    LoraSlots (``namespace``, ``adapters``), None without LoRA. ValueError naming the adapter
+    when it is not loaded."""
+    out = []
+    for name in _per_prompt(lora_path, n, "lora_path"):
+        if name is None:
+            out.append((None, 0, 0))
+            continue
+        if not isinstance(name, str):
+            raise ValueError(f"lora_path must be an adapter name (a string), got {name!r}")
+        if adapters is None:
+            raise ValueError(f"lora_path: unknown LoRA adapter {name!r}: this engine serves "
+                             "no adapters (start it with lora_paths or enable_lora)")
+        ns = adapters.namespace(name)
+        if ns is None:
+            raise ValueError(f"lora_path: unknown LoRA adapter {name!r}; loaded adapters: "
+                             f"{sorted(adapters.adapters())}")
+        out.append((name, ns, adapters.version(name)))
+    return out
+
+
 def build_requests(prompt, input_ids, sampling_params, tokenizer, limits: Limits,
-                   rid=None, priority=None) -> tuple[list[Req], bool]:
+                   rid=None, priority=None, lora_path=None,
+                   adapters=None) -> tuple[list[Req], bool]:
     """Validate everything, then build one Req per prompt. Raises ValueError naming the field.
     ``rid``: one id (a batch runs as ``rid_0``, ``rid_1``, ...: engine/request_ids.py), one
-    per prompt, or None (fresh ids)."""
+    per prompt, or None (fresh ids). ``lora_path``: see :func:`check_adapters`."""
     prompts, is_batch = normalize_prompts(prompt, input_ids)
     n = len(prompts)
+    loras = check_adapters(lora_path, n, adapters)
     params = [to_sampling_params(p) for p in _per_prompt(sampling_params, n, "sampling_params")]
     for p in params:
         p.validate(limits.vocab_size)
@@ -130,7 +156,8 @@ def build_requests(prompt, input_ids, sampling_params, tokenizer, limits: Limits
         if not isinstance(prio, int):
             raise ValueError(f"priority must be an integer, got {prio!r}")
         reqs.append(Req(rid=rids[i] or uuid.uuid4().hex, prompt_ids=list(ids), sampling=sp,
-                        priority=prio))
+                        priority=prio, lora=loras[i][0], lora_ns=loras[i][1],
+                        lora_version=loras[i][2]))
     return reqs, is_batch
 
 

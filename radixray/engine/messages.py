@@ -43,6 +43,9 @@ class MetaInfo:
     # (shown only when the request had a verify forward)
     spec_verify_ct: int = 0
     spec_accept_length: float | None = None
+    # LoRA: the adapter the request ran with and its version at the last token (None: base)
+    lora_path: str | None = None
+    lora_version: int | str | None = None
 
     @classmethod
     def of(cls, req: Req, weight_version: int | str = 0) -> MetaInfo:
@@ -65,7 +68,8 @@ class MetaInfo:
             if asked else None,
             spec_verify_ct=req.spec_verify_ct,
             spec_accept_length=(req.spec_accepted_tokens / req.spec_verify_ct)
-            if req.spec_verify_ct else None)
+            if req.spec_verify_ct else None,
+            lora_path=req.lora, lora_version=req.lora_version if req.lora else None)
 
     def to_json(self) -> dict:
         """The ``meta_info`` object users see (``worker_id`` only when routed)."""
@@ -86,6 +90,9 @@ class MetaInfo:
         if self.spec_verify_ct:
             out["spec_verify_ct"] = self.spec_verify_ct
             out["spec_accept_length"] = self.spec_accept_length
+        if self.lora_path is not None:
+            out["lora_path"] = self.lora_path
+            out["lora_version"] = self.lora_version
         return out
 
 

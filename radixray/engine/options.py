@@ -4,7 +4,8 @@ command-line flags are built (:func:`add_flags`).
 
 An option is ``name: type = option(default, "what it does", ge=..., choices=...)``. The
 bounds are ``ge``/``gt``/``le``/``lt`` (numbers), ``choices`` (a closed set) and
-``pattern`` (a regular expression a string must match whole).
+``pattern`` (a regular expression a string must match whole). An option typed
+``tuple[str, ...]`` is a list (a flag taking several values, a YAML list).
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ def spec(cls) -> list[tuple[dataclasses.Field, type, bool]]:
     return out
 
 
+def _is_str_tuple(base) -> bool:
+    """``tuple[str, ...]``: a list option (one flag taking several values, a YAML list)."""
+    return typing.get_origin(base) is tuple
+
+
 def validate(obj) -> None:
     """Raise ValueError naming the first option of ``obj`` outside its type or bounds."""
     for f, base, optional in spec(type(obj)):
@@ -48,6 +54,11 @@ def validate(obj) -> None:
         if value is None:
             if not optional:
                 raise ValueError(f"{f.name} must not be None")
+            continue
+        if _is_str_tuple(base):
+            ok = isinstance(value, tuple) and all(isinstance(v, str) for v in value)
+            if not ok:
+                raise ValueError(f"{f.name} must be a list of strings, got {value!r}")
             continue
         if base is float:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -84,6 +95,9 @@ def add_flags(parser: argparse.ArgumentParser, cls, with_defaults: bool,
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                 help=text)
             continue
+        if _is_str_tuple(base):
+            parser.add_argument(flag, type=str, nargs="+", default=default, help=text)
+            continue
         choices = [c for c in m["choices"] if c is not None] if m.get("choices") else None
         parser.add_argument(flag, type=base, default=default, choices=choices, help=text)
 
@@ -91,4 +105,5 @@ def add_flags(parser: argparse.ArgumentParser, cls, with_defaults: bool,
 def from_flags(args: argparse.Namespace, cls) -> dict:
     """The options of ``cls`` that were set on the command line (not None)."""
     names = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in vars(args).items()
+            if k in names and v is not None}

@@ -76,6 +76,11 @@ class Req:
     kv_version: int = 0
     # length of this step's new tokens (set when scheduled)
     extend_len: int = 0
+    # LoRA: the adapter this request runs with (None: the base model) and its radix-cache
+    # namespace (engine/weights/lora_slots.py): KV is shared only within one namespace
+    lora: str | None = None
+    lora_ns: int = 0
+    lora_version: int | str = 0  # the adapter's version serving now (each update stamps it)
 
     # accounting the user sees
     cached_tokens: int = 0
@@ -122,6 +127,16 @@ class Req:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def cache_key(self, n: int) -> list[int]:
+        """The radix-cache key of the first ``n`` tokens: the token ids, moved into the
+        request's adapter namespace (``lora_ns << 32`` added to each id, so no key of one
+        adapter, or of the base model, equals a key of another)."""
+        ids = self.all_ids[:n]
+        if not self.lora_ns:
+            return ids
+        offset = self.lora_ns << 32
+        return [t + offset for t in ids]
 
     @property
     def seq_len(self) -> int:

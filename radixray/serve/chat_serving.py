@@ -31,7 +31,7 @@ from radixray.serve.protocol import ChatCompletionRequest
 
 
 async def chat_completion(fe: Frontend, req: ChatCompletionRequest, session_id: str | None = None):
-    fe.check_model(req.model)
+    adapter = await fe.resolve_model(req.model)
     fe.limits.check_openai(req, "top_logprobs")
     chat = plan(fe.chat, req)
     text = render(fe.tokenizer, chat.messages, chat.template_tools, req.chat_template_kwargs)
@@ -46,7 +46,7 @@ async def chat_completion(fe: Frontend, req: ChatCompletionRequest, session_id: 
         params.append(chat.choice_params(fe.chat, sp))
     base = req.rid or new_rid()  # the ingress sets it (serve/request_id.py)
     choices, streams = await fe.start([ids] * req.n, params, rids=choice_rids(base, req.n),
-                                      route_text=text, session_id=session_id)
+                                      route_text=text, session_id=session_id, lora_path=adapter)
     rid = f"chatcmpl-{base}"
     if req.stream:
         return _chat_stream(fe, req, chat, rid, choices, streams)

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from radixray.cluster.messages import SubmitRequest, WorkerInfo
+from radixray.cluster.routing import adapter_route_text
 from radixray.engine.detokenizer import IncrementalDetokenizer
 from radixray.engine.messages import MetaInfo, RequestUpdate
 from radixray.engine.sampling import SamplingParams
@@ -81,10 +82,11 @@ class Frontend:
 
     def __init__(self, tokenizer, info: WorkerInfo, served_model_name: str,
                  dispatcher: Dispatcher, enable_cache_report: bool = True, limits=None,
-                 chat: ChatFeatures | None = None):
+                 chat: ChatFeatures | None = None, adapter_source=None):
         """``limits``: a :class:`radixray.serve.limits.RequestLimits` (default: its defaults);
         ``chat``: the model's tool-call and reasoning handling (default: tools refused, no
-        reasoning parser)."""
+        reasoning parser); ``adapter_source``: an async call answering the fleet's LoRA
+        adapters (name -> path; None: no adapters)."""
         self.limits = limits or RequestLimits()
         self.chat = chat or ChatFeatures()
         self.tokenizer = tokenizer
@@ -94,13 +96,40 @@ class Frontend:
         self.served_model_name = served_model_name
         self.dispatcher = dispatcher
         self.enable_cache_report = enable_cache_report
+        # the fleet's LoRA adapters as last asked (a name not in it asks again)
+        self.adapters: dict[str, str] = {}
+        self._adapter_source = adapter_source
 
     # ---- validation ------------------------------------------------------------------
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in (self.served_model_name, self.model_path):
-            raise ApiError(400, f"The model {name!r} does not exist; this server serves "
-                           f"{self.served_model_name!r} (see GET /v1/models)", param="model",
-                           code="model_not_found")
+    async def refresh_adapters(self) -> dict[str, str]:
+        """Ask the fleet which LoRA adapters it serves now."""
+        if self._adapter_source is not None:
+            self.adapters = dict(await self._adapter_source())
+        return self.adapters
+
+    async def check_adapter(self, name: str, param: str, code: str | None = None) -> str:
+        """``name`` if the fleet serves that adapter; else a 400 naming it."""
+        if name not in self.adapters and name not in await self.refresh_adapters():
+            raise ApiError(400, f"unknown LoRA adapter {name!r}; this server serves "
+                           f"{sorted(self.adapters) or 'none'} (see GET /v1/models)",
+                           param=param, code=code)
+        return name
+
+    async def resolve_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names, or None for the base model: the
+        served name or model path (or no model) is the base; ``<base>:<adapter>`` or a bare
+        adapter name an adapter. A 400 naming an unknown model or adapter."""
+        if name is None or name in (self.served_model_name, self.model_path):
+            return None
+        for base in (self.served_model_name, self.model_path):
+            if base and name.startswith(base + ":"):
+                return await self.check_adapter(name[len(base) + 1:], "model", "model_not_found")
+        if name in self.adapters or name in await self.refresh_adapters():
+            return name
+        raise ApiError(400, f"The model {name!r} does not exist; this server serves "
+                       f"{self.served_model_name!r} and the LoRA adapters "
+                       f"{sorted(self.adapters)} (see GET /v1/models)", param="model",
+                       code="model_not_found")
 
     def check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> int:
         """Check the prompt fits; return max_tokens (default: the rest of the context)."""
@@ -130,18 +159,23 @@ class Frontend:
     # ---- running -----------------------------------------------------------------------
     async def start(self, prompts: list[list[int]], params: list[dict], priority=None,
                     rids: list[str] | None = None, route_text: str | None = None,
-                    session_id: str | None = None) -> tuple[list[Choice], list[AsyncIterator]]:
+                    session_id: str | None = None, lora_path: str | list | None = None
+                    ) -> tuple[list[Choice], list[AsyncIterator]]:
         """Submit one request per (prompt, params) to one worker; raise ApiError if no
         worker takes them. ``route_text`` (default: the first prompt's ids as characters)
-        is what the router matches; ``session_id`` pins a conversation to a worker."""
+        is what the router matches; ``session_id`` pins a conversation to a worker;
+        ``lora_path``: the LoRA adapter (checked) of every prompt, or one per prompt."""
         rids = rids or [uuid.uuid4().hex for _ in prompts]
+        loras = lora_path if isinstance(lora_path, list) else [lora_path] * len(prompts)
         try:
-            requests = [SubmitRequest(rid, ids, SamplingParams.from_dict(sp), priority)
-                        for rid, ids, sp in zip(rids, prompts, params)]
+            requests = [SubmitRequest(rid, ids, SamplingParams.from_dict(sp), priority,
+                                      lora_path=lora)
+                        for rid, ids, sp, lora in zip(rids, prompts, params, loras)]
         except (TypeError, ValueError) as exc:  # unknown or mistyped sampling fields
             raise ApiError(400, str(exc), param="sampling_params") from None
         if route_text is None:
             route_text = ids_route_text(prompts[0])
+        route_text = adapter_route_text(route_text, loras[0])
         try:
             streams = await self.dispatcher.run(requests, route_text, session_id)
         except Exception as exc:

@@ -8,7 +8,9 @@ GET /v1/models, /metrics, /health, /health_generate, /ready; fleet admin: GET
 RL control (every worker; see actors/weight_rollout.py): POST /pause_generation,
 /continue_generation, /release_memory_occupation, /resume_memory_occupation,
 /update_weights_from_disk, /init_weights_update_group, /update_weights_from_distributed,
-/destroy_weights_update_group, /update_weight_version (a new name, no transfer);
+/destroy_weights_update_group, /update_weight_version (a new name, no transfer),
+/load_lora_adapter, /unload_lora_adapter, /update_lora_adapter (on every worker:
+actors/fleet_lora.py);
 GET /get_weight_version. Tensor updates from a colocated trainer go through the
 controller's Ray handle (``update_weights`` with a tensor source), not HTTP.
 Every error is an OpenAI-style ``{"error": {...}}`` body; schema errors are 400
@@ -26,8 +28,7 @@ import threading
 import time
 import uuid
 
-from fastapi import FastAPI, Header, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI, Header
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 
@@ -35,12 +36,13 @@ from radixray.cluster.config import ServeConfig
 from radixray.cluster.errors import actor_unreachable
 from radixray.cluster.weight_sources import DiskWeights, DistributedWeights, WeightSource
 from radixray.serve import chat_serving, native_serving, openai_serving
-from radixray.serve.api_error import ApiError, api_error_from
+from radixray.serve.api_error import ApiError
+from radixray.serve.app_errors import install_error_handlers
 from radixray.serve.auth import AuthMiddleware, AuthPolicy, install_policy
 from radixray.serve.chat_parsers import ChatFeatures
 from radixray.serve.frontend import Frontend
 from radixray.serve.http_metrics import HttpMetricsMiddleware, replica_metrics
-from radixray.serve.limits import BodySizeLimit, BodyTooLarge, RequestLimits, install_body_limit
+from radixray.serve.limits import BodySizeLimit, RequestLimits, install_body_limit
 from radixray.serve.protocol import (
     AbortRequest,
     ChatCompletionRequest,
@@ -48,9 +50,12 @@ from radixray.serve.protocol import (
     DestroyWeightsUpdateGroup,
     GenerateRequest,
     InitWeightsUpdateGroup,
+    LoadLoraAdapter,
     MemoryTags,
     PauseGeneration,
     RouterUpdate,
+    UnloadLoraAdapter,
+    UpdateLoraAdapter,
     UpdateWeightsFromDisk,
     UpdateWeightsFromDistributed,
     UpdateWeightVersion,
@@ -63,59 +68,8 @@ app = FastAPI(title="radixray", description="OpenAI-compatible and native LLM se
 app.add_middleware(BodySizeLimit)
 app.add_middleware(AuthMiddleware)  # around the body limit: no key, no body read
 app.add_middleware(HttpMetricsMiddleware)  # around the key check: refused requests count too
+install_error_handlers(app)
 HEALTH_PROMPT = "The capital city of France is"
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    parts, param = [], None
-    for err in exc.errors():
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        if err.get("type") == "json_invalid":
-            return f"Malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}", None
-        where = ".".join(loc) or "body"
-        param = param or where
-        if err.get("type") == "extra_forbidden":
-            parts.append(f"{where}: this server does not implement this field; it is refused "
-                         f"rather than ignored (remove it)")
-        else:
-            parts.append(f"{where}: {err['msg']}")
-    return "; ".join(parts) or "invalid request", param
-
-
-@app.middleware("http")
-async def _json_without_content_type(request: Request, call_next):
-    """Read POST bodies as JSON whatever their Content-Type (``curl -d`` sends a form type),
-    as SGLang's endpoints do; a body that is not JSON still gets the malformed-JSON 400."""
-    if request.method == "POST":
-        headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
-        request.scope["headers"] = headers + [(b"content-type", b"application/json")]
-    return await call_next(request)
-
-
-@app.exception_handler(RequestValidationError)
-async def _on_validation_error(request: Request, exc: RequestValidationError):
-    message, param = _validation_message(exc)
-    return JSONResponse(ApiError(400, message, param=param).body(), status_code=400)
-
-
-@app.exception_handler(ApiError)
-async def _on_api_error(request: Request, exc: ApiError):
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-
-@app.exception_handler(BodyTooLarge)
-async def _on_body_too_large(request: Request, exc: BodyTooLarge):
-    return JSONResponse(exc.body(), status_code=413)
-
-
-@app.exception_handler(Exception)
-async def _on_unexpected(request: Request, exc: Exception):
-    if actor_unreachable(exc):
-        logger.warning("%s: a fleet actor is restarting: %s", request.url.path, exc)
-    else:
-        logger.exception("unexpected error on %s", request.url.path)
-    err = api_error_from(exc)
-    return JSONResponse(err.body(), status_code=err.status)
 
 
 def _import_tokenizer_libraries() -> None:
@@ -189,7 +143,8 @@ class Ingress:
                                 self.cfg.router.retry_max_attempts, self.cfg.router.retry_backoff_s)
         self.fe = Frontend(tokenizer, info, self.cfg.server.served_model_name, dispatcher,
                            enable_cache_report=self.cfg.server.enable_cache_report,
-                           limits=RequestLimits.from_server(self.cfg.server), chat=chat)
+                           limits=RequestLimits.from_server(self.cfg.server), chat=chat,
+                           adapter_source=lambda: self.controller.lora_adapters.remote())
         self.collector = FleetCollector()
         from prometheus_client import CollectorRegistry
         self.registry = CollectorRegistry(auto_describe=False)
@@ -281,7 +236,7 @@ class Ingress:
 
     @app.get("/v1/models")
     async def models(self):
-        return openai_serving.models_list(self.fe)
+        return await openai_serving.models_list(self.fe)
 
     # ---- operations -----------------------------------------------------------------
     @app.get("/ready")
@@ -417,6 +372,28 @@ class Ingress:
     async def update_weights_from_distributed(self, body: UpdateWeightsFromDistributed):
         source = DistributedWeights(body.names, body.dtypes, body.shapes, body.group_name)
         return await self._update(source, body)
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(self, body: LoadLoraAdapter):
+        """SGLang's: serve a PEFT adapter on every worker, all or none."""
+        result = await self._admin(self.controller.load_lora_adapter.remote(body.lora_name,
+                                                                             body.lora_path))
+        await self.fe.refresh_adapters()
+        return {"success": True, "message": f"LoRA adapter {body.lora_name!r} loaded", **result}
+
+    @app.post("/update_lora_adapter")
+    async def update_lora_adapter(self, body: UpdateLoraAdapter):
+        """New weights for a served adapter on every worker, under its own version."""
+        result = await self._admin(self.controller.update_lora_adapter.remote(
+            body.lora_name, body.lora_path, body.lora_version))
+        return {"success": True, **result}
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(self, body: UnloadLoraAdapter):
+        result = await self._admin(self.controller.unload_lora_adapter.remote(body.lora_name))
+        await self.fe.refresh_adapters()
+        return {"success": True, "message": f"LoRA adapter {body.lora_name!r} unloaded",
+                **result}
 
     async def _update(self, source: WeightSource, body) -> dict:
         result = await self._admin(self.controller.update_weights.remote(

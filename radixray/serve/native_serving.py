@@ -89,6 +89,20 @@ def _result(fe: Frontend, c: Choice, req: GenerateRequest) -> dict:
     return {"text": c.text, "output_ids": list(c.output_ids), "meta_info": _meta(fe, c, req)}
 
 
+async def _adapters(fe: Frontend, req: GenerateRequest, n: int) -> list[str | None] | None:
+    """``lora_path``: one adapter for every prompt or one (or None) per prompt, each checked."""
+    names = req.lora_path
+    if names is None:
+        return None
+    if not isinstance(names, list):
+        names = [names] * n
+    elif len(names) != n:
+        raise ApiError(400, f"lora_path has {len(names)} entries for {n} prompts",
+                       param="lora_path")
+    return [None if name is None else await fe.check_adapter(name, "lora_path")
+            for name in names]
+
+
 async def generate(fe: Frontend, req: GenerateRequest, session_id: str | None = None):
     fe.limits.check_native(req)
     prompts, is_batch = _prompts(fe, req)
@@ -104,7 +118,8 @@ async def generate(fe: Frontend, req: GenerateRequest, session_id: str | None = 
     rids = generation_rids(req.rid if req.rid is not None else new_rid(), len(prompts))
     text = req.text if isinstance(req.text, str) else None
     choices, streams = await fe.start(prompts, params, priority=req.priority, rids=rids,
-                                      route_text=text, session_id=session_id)
+                                      route_text=text, session_id=session_id,
+                                      lora_path=await _adapters(fe, req, len(prompts)))
     if req.stream:
         return _stream(fe, req, choices, streams)
     await fe.complete(choices, streams)

@@ -134,7 +134,7 @@ async def completion(fe: Frontend, req: CompletionRequest, session_id: str | Non
     prompt; the prompt tokens' logprobs come from the engine (``logprob_start_len`` 0), the
     first one null. ``max_tokens`` 0 is taken with ``echo`` only (score a prompt, generate
     nothing); ``suffix`` is refused."""
-    fe.check_model(req.model)
+    adapter = await fe.resolve_model(req.model)
     fe.limits.check_openai(req, "logprobs")
     if req.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
@@ -160,7 +160,7 @@ async def completion(fe: Frontend, req: CompletionRequest, session_id: str | Non
     text = req.prompt if isinstance(req.prompt, str) else None
     base = req.rid or new_rid()  # the ingress sets it (serve/request_id.py)
     choices, streams = await fe.start(all_ids, params, rids=choice_rids(base, len(all_ids)),
-                                      route_text=text, session_id=session_id)
+                                      route_text=text, session_id=session_id, lora_path=adapter)
     rid = f"cmpl-{base}"
     if req.stream:
         return _completion_stream(fe, req, rid, choices, streams, echo_of)
@@ -211,8 +211,11 @@ async def _completion_stream(fe: Frontend, req: CompletionRequest, rid: str,
     yield SSE_DONE
 
 
-def models_list(fe: Frontend) -> dict:
-    return {"object": "list", "data": [{"id": fe.served_model_name, "object": "model",
-                                        "created": 0, "owned_by": "radixray",
-                                        "root": fe.model_path,
-                                        "max_model_len": fe.context_len}]}
+async def models_list(fe: Frontend) -> dict:
+    """The served model, then each LoRA adapter the fleet serves (``parent``: the model;
+    a request names one as ``model`` alone or as ``<model>:<adapter>``)."""
+    base = {"id": fe.served_model_name, "object": "model", "created": 0, "owned_by": "radixray",
+            "root": fe.model_path, "parent": None, "max_model_len": fe.context_len}
+    adapters = [{**base, "id": name, "root": path, "parent": fe.served_model_name}
+                for name, path in sorted((await fe.refresh_adapters()).items())]
+    return {"object": "list", "data": [base, *adapters]}

@@ -268,6 +268,8 @@ class GenerateRequest(BaseModel):
     # for POST /abort_request (serve/request_id.py)
     rid: RequestId | list[RequestId] | None = None
     priority: int | None = None
+    # the LoRA adapter's name (SGLang's field): one for every prompt or one (or null) per prompt
+    lora_path: str | list[str | None] | None = None
 
 
 class PauseGeneration(BaseModel):
@@ -366,6 +368,38 @@ class UpdateWeightsFromDistributed(_FleetUpdate):
     dtypes: list[Literal["float32", "float16", "bfloat16"]]
     shapes: list[list[int]]
     group_name: str = "weight_update_group"
+
+
+class LoadLoraAdapter(BaseModel):
+    """POST /load_lora_adapter (SGLang's body): serve a PEFT adapter on every worker."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(description="the adapter's name: requests give it as model "
+                           "(alone or '<model>:<name>') or as lora_path")
+    lora_path: str = Field(description="the PEFT folder (adapter_config.json + "
+                           "adapter_model.safetensors), as the workers see it")
+
+
+class UnloadLoraAdapter(BaseModel):
+    """POST /unload_lora_adapter (SGLang's body): stop serving an adapter on every worker."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(description="the adapter's name")
+
+
+class UpdateLoraAdapter(BaseModel):
+    """POST /update_lora_adapter: new weights for a served adapter on every worker (RL with
+    a LoRA policy), under the adapter's own version."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(description="the adapter's name")
+    lora_path: str = Field(description="the PEFT folder of its new weights")
+    lora_version: int | str | None = Field(None, description="an int greater than every int "
+                                           "version the adapter served, or a string label; "
+                                           "null: the next int")
 
 
 class RouterUpdate(BaseModel):

@@ -176,7 +176,8 @@ def _cache_with_kv(kv, key: list[int]) -> torch.Tensor:
 
 def _waiting(key: list[int]):
     from types import SimpleNamespace
-    return SimpleNamespace(rid="r", all_ids=key + [999], seq_len=len(key) + 1)
+    ids = key + [999]
+    return SimpleNamespace(rid="r", all_ids=ids, seq_len=len(ids), cache_key=lambda n: ids[:n])
 
 
 def _conserved(kv) -> None:

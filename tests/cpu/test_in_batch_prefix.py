@@ -19,8 +19,8 @@ from radixray.engine.sched.policy import (
 
 
 def R(ids: list[int]) -> SimpleNamespace:
-    """The two fields of a Req that the check reads (a fresh request: no output yet)."""
-    return SimpleNamespace(prompt_ids=ids, all_ids=ids)
+    """The fields of a Req that the check reads (a fresh request: no output yet)."""
+    return SimpleNamespace(prompt_ids=ids, all_ids=ids, lora_ns=0)
 
 
 def test_defers_only_short_matches_sharing_a_batch_members_head():

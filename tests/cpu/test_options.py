@@ -4,6 +4,7 @@ default and the same bounds."""
 
 import argparse
 import dataclasses
+import typing
 
 import pytest
 
@@ -86,6 +87,9 @@ def _flag_value(f, kind):
         return [f"--{'no-' if f.default else ''}{f.name.replace('_', '-')}"], not f.default
     elif kind is str:
         value = "cuda:1" if f.name == "device" else "somewhere"
+    elif typing.get_origin(kind) is tuple:  # a list option: one flag, several values
+        value = ("a=/one", "b=/two")
+        return [f"--{f.name.replace('_', '-')}", *value], value
     else:
         lo = m["ge"] if m["ge"] is not None else (m["gt"] or 0)
         value = kind(lo + (1 if kind is int else 0.25)) if m["lt"] is None else kind(m["lt"] / 2)
@@ -116,4 +120,5 @@ def test_every_engine_option_is_a_flag_of_serve_and_generate(f, kind):
     assert getattr(_parser("serve").parse_args(["serve"]), f.name) is None  # YAML decides
     generate = _parser("generate").parse_args(["generate"])
     assert getattr(generate, f.name) == f.default
-    assert getattr(_parser("generate").parse_args(["generate", *argv]), f.name) == value
+    parsed = getattr(_parser("generate").parse_args(["generate", *argv]), f.name)
+    assert (tuple(parsed) if isinstance(parsed, list) else parsed) == value

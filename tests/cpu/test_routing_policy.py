@@ -406,3 +406,31 @@ def test_a_worker_with_new_weights_loses_its_prefixes_and_others_keep_theirs():
     assert router.state()["workers"]["a"]["weight_version"] == 3
     decision = router.pick(PROMPT)
     assert decision.worker == "b" and decision.reason == "cache_match"
+
+
+def test_an_adapters_requests_go_to_the_worker_that_ran_it_before_prefix_affinity():
+    from radixray.cluster.routing import adapter_of, adapter_route_text
+    router, _ = make_router(("a", "b", "c"), seed=3)
+    key = adapter_route_text(PROMPT, "alpha")
+    assert adapter_of(key) == "alpha" and adapter_of(PROMPT) is None
+    first = router.pick(key)
+    router.release(first.worker, True)
+    # distinct texts (no prefix to follow): every later one goes where alpha ran
+    for i in range(5):
+        d = router.pick(adapter_route_text(chr(0x6000 + i) * 30, "alpha"))
+        assert (d.worker, d.reason) == (first.worker, "adapter")
+        router.release(d.worker, True)
+    # a base request with alpha's prompt shares no cache with it: nothing to match
+    assert router.pick(PROMPT).match_rate == 0.0
+    assert "alpha" in router.state()["workers"][first.worker]["adapters"]
+    # holders clearly busier than the rest: load balance wins
+    set_load(router, first.worker, 200)
+    assert router.pick(adapter_route_text("zz", "alpha")).worker != first.worker
+
+
+def test_the_router_remembers_adapter_slots_per_worker_least_recent_out():
+    from radixray.cluster.routing import adapter_route_text
+    router, _ = make_router(("a",), adapter_slots=2)
+    for name in ("x", "y", "z"):
+        router.release(router.pick(adapter_route_text("t", name)).worker, True)
+    assert router.state()["workers"]["a"]["adapters"] == ["y", "z"]

@@ -11,6 +11,7 @@ import torch
 if TYPE_CHECKING:
     from radixray.engine.executor.prompt_logprobs import PromptLogprobRows
     from radixray.engine.request import Req
+    from radixray.engine.weights.lora_slots import LoraBatch
 
 
 class ForwardMode(enum.Enum):
@@ -52,6 +53,9 @@ class ForwardBatch:
     # extend batch are decode requests, one token each at position ``prefix_lens[i]``;
     # attention runs them as a decode (attention/base.py ``split_mixed``).
     num_decode: int = 0
+    # LoRA: each row's adapter slot and the slots' weights; None when no request of the
+    # batch uses an adapter (engine/weights/lora_slots.py)
+    lora: LoraBatch | None = None
 
     def to_device(self, device: str) -> None:
         """Move the token-wise tensors (ids, positions, cache slots) to ``device``.
@@ -60,13 +64,15 @@ class ForwardBatch:
         self.input_ids = self.input_ids.to(device, non_blocking=True)
         self.positions = self.positions.to(device, non_blocking=True)
         self.out_cache_loc = self.out_cache_loc.to(device, non_blocking=True)
+        if self.lora is not None:
+            self.lora.to(device)
 
     @property
     def plain_decode(self) -> bool:
         """A decode batch with nothing beside its tokens (no riders' extends, no routes or
-        prompt rows to keep): what a captured or compiled decode step can run."""
+        prompt rows to keep, no adapters): what a captured or compiled decode step can run."""
         return (self.mode is ForwardMode.DECODE and not self.num_decode
-                and not self.route_captures and self.prompt_rows is None)
+                and not self.route_captures and self.prompt_rows is None and self.lora is None)
 
     @property
     def batch_size(self) -> int:

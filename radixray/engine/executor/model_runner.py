@@ -32,6 +32,7 @@ from radixray.engine.tp.launch import join_tp_group
 from radixray.engine.tp.options import check_tp_options, tp_summary
 from radixray.engine.tp.runtime import DriverMirror, Stop
 from radixray.engine.weights.loader import ModelSource
+from radixray.engine.weights.lora_slots import make_lora_slots
 from radixray.kernels.cpu_ops import BatchInvariantKernels, CpuKernels
 from radixray.kernels.int8_linear import quantize_linears
 
@@ -151,6 +152,7 @@ class ModelRunner:
             self.model.quantize_lm_head(fused_ops=config.cpu_kernels)
             self.quantized_layers += 1
         self.model.to(self.device).eval()
+        self.lora = make_lora_slots(config, self.model, self.dtype, self.device)
         if self.device == "cpu":
             pack_parameters_into_huge_pages(self.model)
         load_s = self.weight_load_seconds = time.perf_counter() - t0
@@ -248,7 +250,8 @@ class ModelRunner:
             out_cache_loc=torch.cat(slots) if len(slots) > 1 else slots[0],
             req_rows=torch.tensor([r.req_row for r, _ in items], dtype=torch.int64),
             prefix_lens=prefix_lens, extend_lens=extend_lens, seq_lens=seq_lens,
-            route_captures=captures, prompt_rows=plan_prompt_rows(items))
+            route_captures=captures, prompt_rows=plan_prompt_rows(items),
+            lora=self._lora_batch([(r.lora, n) for r, n in items]))
 
     def build_decode_batch(self, reqs: list[Req], slots: torch.Tensor,
                            ahead: list[int] | None = None) -> ForwardBatch:
@@ -268,7 +271,12 @@ class ModelRunner:
             req_rows=torch.tensor([r.req_row for r in reqs], dtype=torch.int64),
             prefix_lens=kv_lens, extend_lens=[1] * len(reqs), seq_lens=[n + 1 for n in kv_lens],
             route_captures=[(r, i, 1, n) for i, (r, n) in enumerate(zip(reqs, kv_lens))
-                            if r.sampling.return_routed_experts] if self.routes_experts else [])
+                            if r.sampling.return_routed_experts] if self.routes_experts else [],
+            lora=self._lora_batch([(r.lora, 1) for r in reqs]))
+
+    def _lora_batch(self, row_adapters: list[tuple[str | None, int]]):
+        """The batch's LoraBatch (its adapters put in slots), or None without adapters."""
+        return self.lora.batch(row_adapters) if self.lora is not None else None
 
     def collect_routes(self, req: Req) -> None:
         """``req`` finishes (its slots not yet released): with enable_return_routed_experts and

@@ -53,7 +53,7 @@ class KVManager:
     def match(self, req: Req) -> MatchResult:
         """Cached prefix of the request's sequence, at most ``req.prefix_limit`` tokens
         (``seq_len - 1``, less while prompt logprobs are pending). Locks nothing."""
-        return self.cache.match_prefix(req.all_ids[: req.prefix_limit])
+        return self.cache.match_prefix(req.cache_key(req.prefix_limit))
 
     def alloc_slots(self, n: int) -> torch.Tensor | None:
         """``n`` free slots, evicting unlocked cached prefixes if needed; ``None`` if impossible."""
@@ -112,7 +112,7 @@ class KVManager:
 
     def _insert(self, req: Req) -> None:
         """Move the request's computed KV into the tree; free its duplicate slots."""
-        key = req.all_ids[: req.kv_len]
+        key = req.cache_key(req.kv_len)
         row_slots = self.table[req.req_row, : req.kv_len]
         already = self.cache.insert(key, row_slots)
         if already > req.cache_locked_len:
@@ -128,7 +128,7 @@ class KVManager:
         if not self._shares_cache(req):
             return
         self._insert(req)
-        match = self.cache.match_prefix(req.all_ids[: req.kv_len])
+        match = self.cache.match_prefix(req.cache_key(req.kv_len))
         n = len(match.slots)
         self.table[req.req_row, :n] = match.slots
         self.cache.inc_lock_ref(match.last_node)

@@ -56,6 +56,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         qkv = self.kernels.project(x, self.qkv_proj)
+        if batch.lora is not None:
+            qkv = batch.lora.apply("qkv", self.layer_id, qkv, x)
         n_qk = self.num_heads + self.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, n_qk, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
@@ -63,9 +65,11 @@ class LlamaAttention(nn.Module):
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads:])), 1)
         qk = self.rotary(positions, qk, self.kernels)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
-        out = self.attn.forward(q, k, v, self.layer_id, batch)
-        return self.tp.all_reduce(
-            self.kernels.project(out.reshape(-1, self.q_size).to(x.dtype), self.o_proj))
+        out = self.attn.forward(q, k, v, self.layer_id, batch).reshape(-1, self.q_size).to(x.dtype)
+        y = self.kernels.project(out, self.o_proj)
+        if batch.lora is not None:
+            y = batch.lora.apply("o", self.layer_id, y, out)
+        return self.tp.all_reduce(y)
 
 
 class LlamaMLP(nn.Module):
@@ -88,6 +92,13 @@ class LlamaMLP(nn.Module):
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the output (the output itself with one rank)."""
         return self.kernels.gated_mlp(x, self.gate_up_proj, self.down_proj)
+
+    def forward_lora(self, x: torch.Tensor, lora, layer_id: int) -> torch.Tensor:
+        """:meth:`forward` with each row's LoRA update (``lora``: the batch's LoraBatch) on
+        gate|up and down; the two projections run apart (no fused gated-MLP kernel)."""
+        k = self.kernels
+        h = k.silu_mul(lora.apply("gate_up", layer_id, k.project(x, self.gate_up_proj), x))
+        return self.tp.all_reduce(lora.apply("down", layer_id, k.project(h, self.down_proj), h))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -112,6 +123,8 @@ class LlamaDecoderLayer(nn.Module):
             residual, normed = self.input_layernorm.add_norm(x, residual)
         attn = self.self_attn(positions, normed, batch)
         residual, normed = self.post_attention_layernorm.add_norm(attn, residual)
+        if batch.lora is not None:  # LoRA serves dense models only (engine/weights/lora_slots.py)
+            return self.mlp.forward_lora(normed, batch.lora, self.self_attn.layer_id), residual
         return self.mlp(normed), residual
 
 

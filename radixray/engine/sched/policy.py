@@ -61,8 +61,11 @@ class InBatchPrefixes:
     def _head(req: Req) -> tuple[int, ...] | None:
         # Slice the prompt rather than ``all_ids`` (which copies the whole sequence); a
         # retracted request's short prompt continues into its output.
+        # The adapter's namespace leads: requests of different adapters never share KV.
         ids = req.prompt_ids if len(req.prompt_ids) >= IN_BATCH_PREFIX_DEFER else req.all_ids
-        return tuple(ids[:IN_BATCH_PREFIX_DEFER]) if len(ids) >= IN_BATCH_PREFIX_DEFER else None
+        if len(ids) < IN_BATCH_PREFIX_DEFER:
+            return None
+        return (req.lora_ns, *ids[:IN_BATCH_PREFIX_DEFER])
 
     def add(self, req: Req) -> None:
         """Record a request that computes its prefix in this batch."""

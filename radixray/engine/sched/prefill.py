@@ -21,6 +21,7 @@ from radixray.engine.mem_cache.radix_cache import MatchResult
 from radixray.engine.request import Req
 from radixray.engine.sched.admission import AddResult, PrefillBudget, new_request_need
 from radixray.engine.sched.chunk_budget import ChunkBudget, ForwardCostModel, attention_pairs
+from radixray.engine.sched.lora import AdapterAdmission, active_adapters
 from radixray.engine.sched.mixed_batch import MixedChunks
 from radixray.engine.sched.policy import InBatchPrefixes, order_waiting
 from radixray.engine.sched.stats import log_prefill
@@ -63,6 +64,9 @@ class PrefillBuilder:
                                      self.config.max_prefill_tokens, chunk)
         budget.reserve_riders(riders, from_chunk=not self.chunks.timed)
         in_batch = InBatchPrefixes(enabled=not kv.cache.disabled)
+        lora = getattr(s.runner, "lora", None)
+        adapters = AdapterAdmission(lora.num_slots if lora is not None else None,
+                                    active_adapters(queues))
         if chunked is not None:
             budget.add_chunk_continuation(chunked, chunked.seq_len - chunked.kv_len)
             in_batch.add(chunked)
@@ -83,7 +87,7 @@ class PrefillBuilder:
                                 priority_first=self.config.enable_priority_scheduling)
         for req in ordered:
             match = matches.get(id(req)) or kv.match(req)
-            if in_batch.should_defer(req, len(match.slots)):
+            if in_batch.should_defer(req, len(match.slots)) or not adapters.admits(req):
                 continue
             if queues.num_running + len(budget.added) >= s.max_running:
                 if not self._preempt_for(req, budget):
@@ -116,6 +120,7 @@ class PrefillBuilder:
             queues.admit(req)
             step.add([req])
             in_batch.add(req)
+            adapters.add(req)
             if result == AddResult.CHUNKED:
                 break
         return self._allocate(budget.added, step)

@@ -37,6 +37,7 @@ from radixray.engine.sched.admission import NewTokenRatio, reserved_for_running
 from radixray.engine.sched.decode import PlainDecoder, SpeculativeDecoder
 from radixray.engine.sched.failures import StepFailures
 from radixray.engine.sched.inbox import AbortCommand, CallInLoop, Inbox
+from radixray.engine.sched.lora import active_adapters, adopt_adapter
 from radixray.engine.sched.output import OutputProcessor, ProcessedStep
 from radixray.engine.sched.overlap import OverlapDecoder
 from radixray.engine.sched.pause import pause_in_mode, resume_scheduling
@@ -92,6 +93,8 @@ class Scheduler:
                                              lambda: self.inbox.put(GrammarWake()))
         self.decoder = self._create_decoder()
         self.prefill = PrefillBuilder(self)
+        if getattr(runner, "lora", None) is not None:  # running requests keep their slots
+            runner.lora.pinned = lambda: active_adapters(self.queues)
 
     def _create_decoder(self) -> PlainDecoder:
         """The decode strategy the config asks for: overlap, speculative or plain."""
@@ -223,6 +226,10 @@ class Scheduler:
                                ENGINE_FAILED_STATUS)
             return
         for req in reqs:
+            gone = adopt_adapter(req, getattr(self.runner, "lora", None))
+            if gone is not None:
+                self.failures.fail([req], gone, 400)
+                continue
             seed = req.sampling.seed
             if seed is None and self.config.deterministic and not req.sampling.is_greedy:
                 seed = DETERMINISTIC_DEFAULT_SEED

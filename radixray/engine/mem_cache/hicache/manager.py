@@ -171,7 +171,7 @@ class HiCacheKVManager(KVManager):
         super()._insert(req)
         if self.write_policy == "write_back":
             return
-        key = req.all_ids[: req.kv_len]
+        key = req.cache_key(req.kv_len)
         path = self.cache.walk(key)
         if self.write_policy == "write_through_selective":
             path = path[:next((i for i, (node, _) in enumerate(path) if node.hit_count < 1),
@@ -247,7 +247,7 @@ class HiCacheKVManager(KVManager):
         locked = []
         try:
             for req in waiting[:MAX_PREPARED_REQS]:
-                key = req.all_ids[: req.seq_len - 1]
+                key = req.cache_key(req.seq_len - 1)
                 node, loaded = self._load_back(req, key, budget)
                 if node is not None:
                     locked.append(node)

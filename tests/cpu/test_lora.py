@@ -1,0 +1,229 @@
+"""Multi-LoRA serving in the engine: two PEFT adapters made here on the tiny random Llama.
+
+Greedy tokens of each adapter equal Hugging Face's with the adapter merged into the weights
+(peft's merge_and_unload), with requests of both adapters and of none in one batch; the
+batched LoRA matmul equals its row-by-row reference; adapters load and unload through the
+engine's verbs; the radix cache never shares KV across adapters.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from model_fixtures import (
+    assert_greedy_equal,
+    hf_greedy,
+    merged_hf,
+    random_prompts,
+)
+
+from radixray import Engine
+from radixray.kernels.lora import LoraRows, lora_add, lora_add_reference
+
+NEW_TOKENS = 12
+GREEDY = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def lora_eng(tiny_llama_dir, lora_adapters):
+    paths = [f"{name}={path}" for name, path in lora_adapters.items()]
+    with Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=8192,
+                check_kv_conservation=True, lora_paths=paths) as engine:
+        yield engine
+        engine.check_kv_conservation()
+
+
+@pytest.fixture(scope="module")
+def references(tiny_llama_dir, lora_adapters):
+    """HF greedy tokens (and top-2 gaps) per (adapter or None, prompt index)."""
+    prompts = random_prompts(256)[:6]
+    out = {}
+    for name in (None, *lora_adapters):
+        hf = merged_hf(tiny_llama_dir, lora_adapters.get(name))
+        for i, p in enumerate(prompts):
+            out[(name, i)] = hf_greedy(hf, p, NEW_TOKENS)
+    return prompts, out
+
+
+def test_the_adapters_change_the_output(references):
+    _, refs = references
+    for i in range(6):
+        assert refs[("alpha", i)][0] != refs[(None, i)][0] or refs[("beta", i)][0] != refs[(None, i)][0]
+
+
+def test_one_mixed_batch_equals_hf_with_each_adapter_merged(lora_eng, references):
+    prompts, refs = references
+    choice = [None, "alpha", "beta", "alpha", None, "beta"]
+    batch = [p for p in prompts] + [prompts[1], prompts[2]]
+    loras = choice + ["beta", None]
+    outs = lora_eng.generate(input_ids=batch, sampling_params=GREEDY, lora_path=loras)
+    for i, (out, name) in enumerate(zip(outs, loras)):
+        p = i if i < 6 else (1 if i == 6 else 2)
+        ref, gaps = refs[(name, p)]
+        assert_greedy_equal(out["output_ids"], ref, gaps, f"adapter {name} prompt {p}")
+
+
+def test_one_slot_serves_a_mixed_batch_by_turns(tiny_llama_dir, lora_adapters, references):
+    prompts, refs = references
+    loras = ["alpha", "beta", None, "beta", "alpha"]
+    with Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=4096,
+                check_kv_conservation=True, enable_lora=True, max_lora_rank=8,
+                max_loras_per_batch=1) as eng:
+        for name, path in lora_adapters.items():
+            eng.load_lora_adapter(name, path)
+        outs = eng.generate(input_ids=prompts[:5], sampling_params=GREEDY, lora_path=loras)
+        for i, (out, name) in enumerate(zip(outs, loras)):
+            assert_greedy_equal(out["output_ids"], *refs[(name, i)], f"1 slot: {name} prompt {i}")
+        # the one slot took alpha, then beta (once alpha's requests finished), at least
+        slots = eng.call_in_loop(lambda s: (s.runner.lora.loads, s.runner.lora.slot_names))
+        assert slots[0] >= 2 and slots[1] in (["alpha"], ["beta"])
+
+
+def test_the_batched_lora_matmul_equals_its_reference():
+    gen = torch.Generator().manual_seed(0)
+    slots, rank, d_in, d_out, rows = 3, 6, 40, 24, 17
+    a = torch.randn(slots, rank, d_in, generator=gen)
+    b = torch.randn(slots, d_out, rank, generator=gen)
+    scalings = torch.tensor([0.5, 2.0, 1.25])
+    x = torch.randn(rows, d_in, generator=gen)
+    base = torch.randn(rows, d_out, generator=gen)
+    row_slots = torch.tensor([-1, -1, 0, 0, 0, 2, 2, 1, -1, 1, 1, 1, 0, 2, -1, -1, 2])
+    want = lora_add_reference(base, x, a, b, scalings, row_slots)
+    got = lora_add(base.clone(), x, a, b, scalings, LoraRows.of(row_slots))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[row_slots < 0], base[row_slots < 0])  # no adapter: untouched
+    same = torch.full((rows,), 1)
+    rows_all = LoraRows.of(same)
+    assert rows_all.groups == [(1, None)]  # one adapter everywhere: no gather
+    torch.testing.assert_close(lora_add(base.clone(), x, a, b, scalings, rows_all),
+                               lora_add_reference(base, x, a, b, scalings, same),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_an_unknown_adapter_is_refused_by_name(lora_eng, eng):
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'gamma'"):
+        lora_eng.generate(input_ids=[1, 2, 3], lora_path="gamma")
+    with pytest.raises(ValueError, match="lora_path has 1 entries for 2 prompts"):
+        lora_eng.generate(input_ids=[[1, 2], [3, 4]], lora_path=["alpha"])
+    with pytest.raises(ValueError, match="serves no adapters"):
+        eng.generate(input_ids=[1, 2, 3], lora_path="alpha")
+
+
+def test_adapters_load_and_unload_through_the_verbs(tiny_llama_dir, lora_adapters, references):
+    prompts, refs = references
+    with Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=4096,
+                enable_lora=True, max_lora_rank=4) as eng:
+        assert eng.lora_adapters() == {}
+        out = eng.load_lora_adapter("alpha", lora_adapters["alpha"])
+        assert out["rank"] == 4 and out["loaded_adapters"] == {"alpha": lora_adapters["alpha"]}
+        with pytest.raises(ValueError, match="rank 8, above max_lora_rank=4"):
+            eng.load_lora_adapter("beta", lora_adapters["beta"])
+        with pytest.raises(ValueError, match="already loaded"):
+            eng.load_lora_adapter("alpha", lora_adapters["alpha"])
+        with pytest.raises(ValueError, match="adapter_config.json"):
+            eng.load_lora_adapter("nowhere", os.path.join(lora_adapters["alpha"], "missing"))
+        got = eng.generate(input_ids=prompts[0], sampling_params=GREEDY, lora_path="alpha")
+        assert_greedy_equal(got["output_ids"], *refs[("alpha", 0)], "loaded alpha")
+        assert eng.unload_lora_adapter("alpha") == {"lora_name": "alpha", "loaded_adapters": {}}
+        with pytest.raises(ValueError, match="unknown LoRA adapter 'alpha'"):
+            eng.generate(input_ids=prompts[0], lora_path="alpha")
+        with pytest.raises(ValueError, match="unknown LoRA adapter 'alpha'"):
+            eng.unload_lora_adapter("alpha")
+        # reloaded: a new namespace, so the KV of the first load is not reused
+        eng.load_lora_adapter("alpha", lora_adapters["alpha"])
+        again = eng.generate(input_ids=prompts[0], sampling_params=GREEDY, lora_path="alpha")
+        assert again["output_ids"] == got["output_ids"]
+        assert again["meta_info"]["cached_tokens"] == 0
+
+
+def test_the_radix_cache_never_shares_kv_across_adapters(lora_eng):
+    prompt = list(range(5, 45))
+    one = {"temperature": 0.0, "max_new_tokens": 2}
+    lora_eng.flush_cache()
+
+    def cached(name):
+        out = lora_eng.generate(input_ids=prompt, sampling_params=one, lora_path=name)
+        return out["meta_info"]["cached_tokens"]
+
+    assert cached(None) == 0
+    assert cached("alpha") == 0  # the base model's KV of the same prompt is not reused
+    assert cached("beta") == 0
+    assert cached("alpha") == len(prompt) - 1  # the same adapter hits
+    assert cached(None) == len(prompt) - 1
+    assert cached("beta") == len(prompt) - 1
+
+
+def test_lora_options_are_checked():
+    from radixray.engine.config import EngineConfig
+    with pytest.raises(ValueError, match="adapter names must be unique"):
+        EngineConfig(lora_paths=("a=/x", "a=/y"))
+    with pytest.raises(ValueError, match="tp_size"):
+        EngineConfig(lora_paths=("a=/x",), tp_size=2)
+    with pytest.raises(ValueError, match="no ':'"):
+        EngineConfig(lora_paths=("base:a=/x",))
+    assert EngineConfig(lora_paths=["a=/x"]).lora_paths == ("a=/x",)
+
+
+def test_an_adapter_update_changes_only_that_adapters_outputs_version_stamped(
+        tiny_llama_dir, lora_adapters, references, tmp_path):
+    from model_fixtures import LORA_ADAPTERS, make_lora_adapter
+    from safetensors.torch import load_file
+
+    from radixray.engine.weights.version import VersionRefused
+    prompts, refs = references
+    rank, alpha, rslora, _ = LORA_ADAPTERS["alpha"]
+    v2 = make_lora_adapter(tiny_llama_dir, str(tmp_path / "alpha-v2"), rank, alpha, rslora, 99)
+    want_v2, gaps_v2 = hf_greedy(merged_hf(tiny_llama_dir, v2), prompts[3], NEW_TOKENS)
+    paths = [f"{name}={path}" for name, path in lora_adapters.items()]
+    loras = [None, "alpha", "beta"]
+    with Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=4096,
+                check_kv_conservation=True, lora_paths=paths) as eng:
+        def run():
+            return eng.generate(input_ids=[prompts[3]] * 3, sampling_params=GREEDY,
+                                lora_path=loras)
+        before = run()
+        assert [o["meta_info"].get("lora_version") for o in before] == [None, 0, 0]
+        tensors = load_file(os.path.join(v2, "adapter_model.safetensors"))
+        out = eng.update_lora_adapter("alpha", named_tensors=tensors, lora_version="step-1")
+        assert out == {"lora_name": "alpha", "lora_version": "step-1", "previous_version": 0,
+                       "running_requests": 0}
+        after = run()
+        assert after[0]["output_ids"] == before[0]["output_ids"]  # the base model: unchanged
+        assert after[2]["output_ids"] == before[2]["output_ids"]  # the other adapter too
+        assert_greedy_equal(after[1]["output_ids"], want_v2, gaps_v2, "alpha updated")
+        assert after[1]["meta_info"]["lora_version"] == "step-1"
+        assert after[1]["meta_info"]["cached_tokens"] == 0  # KV of the old weights: never
+        assert after[2]["meta_info"]["cached_tokens"] == len(prompts[3]) - 1
+        with pytest.raises(VersionRefused, match="greater than 0"):
+            eng.update_lora_adapter("alpha", named_tensors=tensors, lora_version=0)
+        beta = load_file(os.path.join(lora_adapters["beta"], "adapter_model.safetensors"))
+        with pytest.raises(ValueError, match=r"lora_A is \[4, \d+\], the update sends \[8, "):
+            eng.update_lora_adapter("alpha", named_tensors=beta)
+        with pytest.raises(ValueError, match="unknown LoRA adapter 'gamma'"):
+            eng.update_lora_adapter("gamma", named_tensors=tensors)
+        # the whole adapter from a folder, the next int version: the first weights again
+        back = eng.update_lora_adapter("alpha", lora_path=lora_adapters["alpha"])
+        assert back["lora_version"] == 1 and back["previous_version"] == "step-1"
+        again = run()
+        assert again[1]["output_ids"] == before[1]["output_ids"]
+        assert again[1]["meta_info"]["lora_version"] == 1
+
+
+def test_adapters_run_on_int8_weights_too(tiny_llama_dir, lora_adapters, lora_eng):
+    """w8a8_int8 base layers with the adapters' update in the model's dtype: each adapter
+    still changes the output, and the tokens stay close to the fp32 engine's."""
+    prompts = random_prompts(256)[:4]
+    loras = [None, "alpha", "beta", "alpha"]
+    paths = [f"{name}={path}" for name, path in lora_adapters.items()]
+    with Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=2048, exact=False,
+                quantization="w8a8_int8", lora_paths=paths) as eng:
+        mixed = eng.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=loras)
+        base = eng.generate(input_ids=prompts, sampling_params=GREEDY)
+    fp32 = lora_eng.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=loras)
+    assert mixed[0]["output_ids"] == base[0]["output_ids"]
+    assert all(mixed[i]["output_ids"] != base[i]["output_ids"] for i in (1, 2, 3))
+    same = sum(a == b for m, f in zip(mixed, fp32)
+               for a, b in zip(m["output_ids"], f["output_ids"]))
+    assert same >= len(prompts) * NEW_TOKENS // 2, same
