@@ -41,8 +41,12 @@ def prefill_tokens_per_second(engine, n: int, length: int, seed: int) -> float:
     return n * length / seconds
 
 
+COMPILED_REGION = "Torch-Compiled Region"  # torch.profiler's name for a torch.compile call
+
+
 def python_overhead(engine, batch: int, ctx: int, steps: int = 8) -> dict:
-    """Per decode step under torch.profiler: wall time, time inside top-level ops (aten and ours), the rest.
+    """Per decode step under torch.profiler: wall time, time inside top-level ops (aten and
+    ours, or the torch.compile region that calls them), the rest.
 
     The rest is Python, dispatch and scheduling work between ops; the profiler
     adds a few microseconds per op to it, so it is an upper bound.
@@ -56,10 +60,20 @@ def python_overhead(engine, batch: int, ctx: int, steps: int = 8) -> dict:
     engine.flush_cache()
     step_events = [e for e in prof.events() if e.name == "decode_step"]
     wall = sum(e.cpu_time_total for e in step_events) / 1000 / len(step_events)
-    ops = [c for e in step_events for c in e.cpu_children if "::" in c.name]
-    in_ops = sum(c.cpu_time_total for c in ops) / 1000 / len(step_events)
+    top = [c for e in step_events for c in e.cpu_children
+           if "::" in c.name or c.name.startswith(COMPILED_REGION)]
+    in_ops = sum(c.cpu_time_total for c in top) / 1000 / len(step_events)
+    ops = [o for c in top for o in _outermost_ops(c)]
     return {"batch": batch, "step_ms": wall, "aten_ms": in_ops, "other_ms": wall - in_ops,
             "ops_per_step": len(ops) / len(step_events)}
+
+
+def _outermost_ops(event) -> list:
+    """The first ops (``ns::name``) on each path down from ``event``: the event itself, or
+    those a compiled region calls."""
+    if "::" in event.name:
+        return [event]
+    return [o for child in event.cpu_children for o in _outermost_ops(child)]
 
 
 def run_offline_bench(args, engine_options: dict) -> dict:
@@ -101,15 +115,16 @@ def run_offline_bench(args, engine_options: dict) -> dict:
                     "floor_ms": floor * 1000, "roofline_tokens_per_s": b / floor,
                     "step_over_floor": step / floor, "fraction_of_roofline": floor / step})
                 bar.update(1)
-            tps = statistics.median(prefill_tokens_per_second(engine, args.prefill_prompts,
-                                                              args.prefill_len, seed=100 + r)
-                                    for r in range(args.repeats))
-            pf = cost.prefill_floor(args.prefill_prompts * args.prefill_len, args.prefill_len, gemm)
-            roof = args.prefill_prompts * args.prefill_len / pf
-            results["prefill"] = {"prompt_len": args.prefill_len, "prompts": args.prefill_prompts,
-                                  "tokens_per_s": tps, "roofline_tokens_per_s": roof,
-                                  "fraction_of_roofline": tps / roof}
-            bar.update(1)
+            if args.prefill_prompts > 0:  # --prefill-prompts 0: decode steps only
+                tps = statistics.median(prefill_tokens_per_second(engine, args.prefill_prompts,
+                                                                  args.prefill_len, seed=100 + r)
+                                        for r in range(args.repeats))
+                pf = cost.prefill_floor(args.prefill_prompts * args.prefill_len, args.prefill_len, gemm)
+                roof = args.prefill_prompts * args.prefill_len / pf
+                results["prefill"] = {"prompt_len": args.prefill_len, "prompts": args.prefill_prompts,
+                                      "tokens_per_s": tps, "roofline_tokens_per_s": roof,
+                                      "fraction_of_roofline": tps / roof}
+                bar.update(1)
         results["overhead"] = [python_overhead(engine, b, args.context_len)
                                for b in (1, max_batch)]
     finally:
@@ -130,10 +145,11 @@ def print_report(r: dict) -> None:
         print(f"{d['batch']:>5} {d['step_ms']:>9.2f} {d['tokens_per_s']:>9.1f} {d['floor_ms']:>9.2f} "
               f"{d['roofline_tokens_per_s']:>11.1f} {d['step_over_floor']:>10.2f} "
               f"{100 * d['fraction_of_roofline']:>6.1f}%")
-    p = r["prefill"]
-    print(f"prefill {p['prompts']} x {p['prompt_len']} tokens: {p['tokens_per_s']:.0f} tok/s "
-          f"(roofline {p['roofline_tokens_per_s']:.0f}, {100 * p['fraction_of_roofline']:.1f}%)")
+    p = r.get("prefill")
+    if p is not None:
+        print(f"prefill {p['prompts']} x {p['prompt_len']} tokens: {p['tokens_per_s']:.0f} tok/s "
+              f"(roofline {p['roofline_tokens_per_s']:.0f}, {100 * p['fraction_of_roofline']:.1f}%)")
     for o in r.get("overhead", []):
         print(f"batch {o['batch']} under torch.profiler: step {o['step_ms']:.1f} ms = "
-              f"{o['aten_ms']:.1f} ms in {o['ops_per_step']:.0f} aten ops + {o['other_ms']:.1f} ms "
+              f"{o['aten_ms']:.1f} ms in {o['ops_per_step']:.0f} ops + {o['other_ms']:.1f} ms "
               "Python/dispatch/scheduling")
