@@ -150,6 +150,8 @@ def run(args) -> dict:
 
     from radixray import Engine
     counts = [int(c) for c in str(args.adapters_in_batch).split(",")]
+    if args.num_adapters < 1:
+        raise ValueError(f"--num-adapters must be >= 1, got {args.num_adapters}")
     if min(counts) < 0 or max(counts) > args.num_adapters:
         raise ValueError(f"--adapters-in-batch {counts}: each must be in [0, --num-adapters="
                          f"{args.num_adapters}]")
