@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         hicache,
         kernels,
         kv_transfer,
+        lora,
         mixed_chunk,
         naive_server,
         overlap,
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     mixed_chunk.add_parser(bench_sub)
     tensor_parallel.add_parser(bench_sub)
     rl_async.add_parser(bench_sub)
+    lora.add_parser(bench_sub)
 
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve` re-runs itself with it

@@ -17,6 +17,14 @@ def random_token_prompts(n: int, length: int, vocab: int, seed: int) -> list[lis
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
+def workload_header(r: dict) -> str:
+    """The opening of an in-process benchmark's report from its result ``r`` (keys model,
+    quantization, kv_cache_dtype, threads, num_prompts, input_len, output_len)."""
+    return (f"model={r['model']} quantization={r['quantization']} kv_cache_dtype="
+            f"{r['kv_cache_dtype']} threads={r['threads']}: {r['num_prompts']} prompts x "
+            f"{r['input_len']} in / {r['output_len']} out")
+
+
 ENGINE_FLAGS = ("model", "dtype", "quantization", "quantize_lm_head", "kv_cache_dtype")
 
 

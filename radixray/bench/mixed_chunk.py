@@ -29,6 +29,7 @@ from radixray.bench import (
     register,
     save_json,
     standalone_main,
+    workload_header,
 )
 from radixray.bench.serve_metrics import RequestRecord, summarize
 
@@ -130,9 +131,7 @@ def run(args) -> dict:
 
 
 def print_report(r: dict) -> None:
-    print(f"\nmodel={r['model']} quantization={r['quantization']} kv_cache_dtype="
-          f"{r['kv_cache_dtype']} threads={r['threads']}: {r['num_prompts']} prompts x "
-          f"{r['input_len']} in / {r['output_len']} out at concurrency {r['concurrency']}; "
+    print(f"\n{workload_header(r)} at concurrency {r['concurrency']}; "
           f"medians of {r['medians'][0]['repeats']} run(s); mixed steps sized by max_itl_ms="
           f"{r['itl_target_ms']} (0 or None: fixed chunks)")
     print(f"{'chunk':>6} {'mixed':>5} {'max ITL ms':>10} {'p99 ITL ms':>10} {'p50 ITL ms':>10} "

@@ -1,0 +1,62 @@
+"""``radixray bench lora`` end to end on the tiny random Llama: the base row and the LoRA
+engine's 0, 1 and 4-adapter rows, the generated adapters as the engine's PEFT reader loads
+them, and the JSON it writes."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from radixray import Engine
+from radixray.bench.lora import write_random_adapters
+from radixray.cli import main
+from radixray.engine.weights.peft_adapter import LORA_MODULES, read_peft_adapter
+
+
+def test_the_generated_adapters_load_and_change_the_output(tiny_llama_dir, tmp_path):
+    with Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=2048,
+                enable_lora=True, max_lora_rank=8) as eng:
+        module = eng.model_facts().module
+        layers, hidden = len(module.layers), module.config.hidden_size
+        paths = write_random_adapters(module, str(tmp_path), count=2, rank=8, seed=0)
+        assert sorted(paths) == ["adapter_0", "adapter_1"]
+        for name, path in paths.items():
+            adapter = read_peft_adapter(name, path, layers)
+            assert adapter.rank == 8 and adapter.modules == sorted(LORA_MODULES)
+            assert len(adapter.weights) == layers * len(LORA_MODULES)
+            a, b = adapter.weights[(0, "q_proj")]
+            assert a.shape == (8, hidden) and b.shape[1] == 8 and adapter.scalings[(0, "q_proj")] == 1.0
+            eng.load_lora_adapter(name, path)
+        # different seeds per adapter; each one moves the greedy tokens off the base's
+        a0, a1 = (read_peft_adapter(n, p, layers).weights[(0, "q_proj")][0] for n, p in paths.items())
+        assert not torch.equal(a0, a1)
+        greedy = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+        prompt = list(range(10, 40))
+        outs = eng.generate(input_ids=[prompt] * 3, sampling_params=greedy,
+                            lora_path=[None, "adapter_0", "adapter_1"])
+        tokens = [o["output_ids"] for o in outs]
+        assert tokens[1] != tokens[0] or tokens[2] != tokens[0]
+
+
+def test_bench_lora_end_to_end(tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "lora.json"
+    assert main(["bench", "lora", "--model", tiny_llama_dir, "--dtype", "float32",
+                 "--concurrency", "4", "--input-len", "16", "--output-len", "6",
+                 "--lora-rank", "4", "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert [(row["config"], row["lora_engine"], row["adapters_in_batch"]) for row in r["rows"]] \
+        == [("base", False, 0), ("lora_0", True, 0), ("lora_1", True, 1), ("lora_4", True, 4)]
+    for row in r["rows"]:
+        assert row["output_tokens"] == 4 * 6  # exactly --output-len per request
+        assert row["output_tokens_per_s"] > 0 and row["median_tpot_ms"] > 0
+        assert len(row["runs"]) == 1 and row["runs"][0]["decode_steps"] >= 5
+    assert r["rows"][0]["ratio_to_base"] == 1.0
+    cost = r["adapter_cost"]
+    assert cost["adapters_in_batch"] == 4 and cost["target_max"] == 0.25
+    assert abs(cost["cost"] - (1 - r["rows"][3]["ratio_to_base"])) < 1e-12
+    assert cost["meets_target"] == (cost["cost"] < 0.25)
+    assert (r["concurrency"], r["num_prompts"], r["lora_rank"], r["num_adapters"]) == (4, 4, 4, 4)
+    assert r["engine_options"]["max_running_requests"] == 4
+    printed = capsys.readouterr().out
+    assert "lora_4" in printed and "adapters cost" in printed
