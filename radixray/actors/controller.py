@@ -174,7 +174,7 @@ class Controller(FleetOperations):
         self.weights.restore(saved.weight_version, saved.replay, saved.stale,
                              saved.weight_version_floor)
         if saved.lora_adapters is not None:
-            self.adapters = FleetAdapters(saved.lora_adapters)
+            self.adapters = FleetAdapters(saved.lora_adapters, saved.lora_updates)
         logger.info("restored the fleet's checkpoint: weight version %r, draining %s, "
                     "policy %s", saved.weight_version, saved.draining, self.policy)
 
@@ -184,6 +184,7 @@ class Controller(FleetOperations):
             *self.weights.saved(), self.policy,
             {r.worker_id: (r.generation, r.restarts) for r in self.registry},
             weight_version_floor=self.weights.floor, lora_adapters=dict(self.adapters.adapters),
+            lora_updates=dict(self.adapters.updates),
             layout={r.worker_id: (r.index, r.role, r.placement_group) for r in self.registry}
             if self.scaler is not None else None))
 
@@ -294,11 +295,7 @@ class Controller(FleetOperations):
         rec.generation, rec.started_at, rec.pid = info.generation, info.started_at, info.pid
         rec.node_ip, rec.tp_ranks = info.node_ip, info.tp_ranks
         rec.weight_version = info.weight_version
-        behind = None
-        if info.weight_version != self.weights.version:
-            behind = await self.weights.catch_up(rec)
-        else:
-            self.weights.stale.discard(rec.worker_id)
+        behind = await self._catch_up(rec, info.weight_version)
         if behind:
             rec.error = behind
             logger.warning("worker %s stays out of routing: %s", rec.worker_id, behind)

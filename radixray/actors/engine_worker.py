@@ -367,8 +367,8 @@ class EngineWorker:
     async def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
         return await self._later(self.engine.resume_memory_occupation, tags)
 
-    async def begin_weight_update(self) -> None:
-        self.engine.begin_weight_update()
+    async def begin_weight_update(self, lora_name: str | None = None) -> None:
+        self.engine.begin_weight_update(lora_name)
 
     async def update_weights_from_tensor(self, named_tensors) -> dict:
         """``named_tensors``: ``(name, tensor)`` pairs, a :class:`~radixray.cluster.

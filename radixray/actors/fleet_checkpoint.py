@@ -40,6 +40,7 @@ class FleetCheckpoint:
     # an autoscaled fleet: worker -> (slot index, role, its own placement group)
     layout: dict[str, tuple[int, str, object]] | None = None
     lora_adapters: dict[str, str] | None = None  # the fleet's LoRA adapters (None: as configured)
+    lora_updates: dict | None = None  # adapter -> fleet_lora.AdapterUpdates (their versions)
 
 
 def _key(controller_name: str) -> bytes:

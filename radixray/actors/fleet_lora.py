@@ -6,15 +6,32 @@ The controller owns one :class:`FleetAdapters`. It starts from the engine sectio
 change (a load refused by one worker is undone on the others, so the fleet never serves an
 adapter on some workers only). A worker started or restarted afterwards gets the current
 adapters as its ``lora_paths``. The adapters are part of the controller's checkpoint.
+
+``update`` runs a fleet-wide weight-update session for one adapter (the rollout of
+actors/weight_rollout.py with a source's ``lora_name``): every worker or none serves the
+new weights, under the adapter's own version. A PEFT folder becomes the adapter's path for
+workers started later; the ``.safetensors`` files applied since are replayed on them by
+:meth:`FleetAdapters.catch_up`, which also stamps the version. An update from tensors or a
+broadcast cannot be replayed: a worker started after it serves the adapter's last folder
+as version 0 (a known gap, logged).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass, field
 
+from radixray.actors.weight_rollout import run_fleet_update
 from radixray.cluster.errors import unwrap_ray_error
+from radixray.cluster.weight_sources import DiskWeights, WeightSource
 from radixray.engine.weights.lora_options import parse_lora_path
+from radixray.engine.weights.version import (
+    WeightVersion,
+    check_version,
+    default_version,
+    raise_floor,
+)
 
 logger = logging.getLogger("radixray.controller")
 
@@ -22,8 +39,10 @@ logger = logging.getLogger("radixray.controller")
 class FleetAdapters:
     """Adapter name -> path the fleet serves (see the module docstring)."""
 
-    def __init__(self, adapters: dict[str, str] | None = None):
+    def __init__(self, adapters: dict[str, str] | None = None,
+                 updates: dict[str, AdapterUpdates] | None = None):
         self.adapters: dict[str, str] = dict(adapters or {})
+        self.updates: dict[str, AdapterUpdates] = dict(updates or {})  # adapters updated
 
     @classmethod
     def from_engine_options(cls, options: dict) -> FleetAdapters:
@@ -46,6 +65,7 @@ class FleetAdapters:
             await _on_each(loaded, lambda h: h.unload_lora_adapter.remote(lora_name))
             raise ValueError("; ".join(f"{w}: {e}" for w, e in sorted(errors.items())))
         self.adapters[lora_name] = lora_path
+        self.updates.pop(lora_name, None)
         logger.info("LoRA adapter %s loaded from %s on %d workers", lora_name, lora_path,
                     len(records))
         return {"lora_name": lora_name, "lora_path": lora_path, "workers": sorted(results)}
@@ -61,26 +81,83 @@ class FleetAdapters:
         errors = {w: r for w, r in results.items() if isinstance(r, BaseException)}
         if len(errors) < len(results) or not results:
             self.adapters.pop(lora_name, None)
+            self.updates.pop(lora_name, None)
         if errors:
             raise ValueError("; ".join(f"{w}: {e}" for w, e in sorted(errors.items())))
         logger.info("LoRA adapter %s unloaded from %d workers", lora_name, len(records))
         return {"lora_name": lora_name, "workers": sorted(results)}
 
 
-    async def update(self, records, lora_name: str, lora_path: str, version) -> dict:
-        """Update the adapter in place on every live worker from ``lora_path`` (later
-        workers load it from there); ValueError naming each worker that refused."""
-        if lora_name not in self.adapters:
-            raise ValueError(f"unknown LoRA adapter {lora_name!r}; the fleet serves "
+    async def update(self, records, source: WeightSource, lora_version: WeightVersion | None,
+                     pause_mode: str | None, release: list[str], keep_paused: bool,
+                     lock: asyncio.Lock) -> dict:
+        """Update adapter ``source.lora_name`` on every live worker (``records``), all or none,
+        through weight-update sessions (actors/weight_rollout.py, under ``lock``: one fleet
+        update at a time), as ``lora_version`` (None: the adapter's next int). ValueError
+        naming an unknown adapter and VersionRefused before anything starts;
+        FleetUpdateFailed with every worker on the old adapter. On success the fleet
+        records the version and how a worker started later gets the same weights."""
+        name = source.lora_name
+        if name not in self.adapters:
+            raise ValueError(f"unknown LoRA adapter {name!r}; the fleet serves "
                              f"{sorted(self.adapters)}")
-        results = await _on_each(records, lambda h: h.update_lora_adapter.remote(
-            lora_name, lora_path, None, version))
-        errors = {w: r for w, r in results.items() if isinstance(r, BaseException)}
-        if len(errors) < len(results):
-            self.adapters[lora_name] = lora_path
-        if errors:
-            raise ValueError("; ".join(f"{w}: {e}" for w, e in sorted(errors.items())))
-        return {"lora_name": lora_name, "workers": results}
+        record = self.updates.get(name, AdapterUpdates())
+        version = check_version(default_version(record.floor) if lora_version is None
+                                else lora_version, record.floor,
+                                f"the greatest integer version adapter {name!r} served so far")
+        async with lock:
+            result = await run_fleet_update({r.worker_id: r.handle for r in records}, source,
+                                            version, pause_mode, list(release), keep_paused)
+        replay = record.replay
+        if isinstance(source, DiskWeights) and not source.path.endswith(".safetensors"):
+            self.adapters[name], replay = source.path, []  # a whole adapter: start from it
+        elif isinstance(source, DiskWeights) and replay is not None:
+            replay = [*replay, source.path]
+        else:
+            replay = None
+        self.updates[name] = AdapterUpdates(version, raise_floor(record.floor, version), replay)
+        logger.info("LoRA adapter %s updated to version %r on %d workers", name, version,
+                    len(records))
+        result.pop("weight_version")
+        return {"lora_name": name, "lora_version": version, **result}
+
+    async def catch_up(self, rec) -> None:
+        """Bring a just-started worker's adapters (loaded from :meth:`engine_options`) to the
+        fleet's versions: the adapter files applied since its folder, under the version. An
+        adapter last updated from tensors or a broadcast cannot be repeated: the worker
+        serves it as loaded (its folder's weights, ``lora_version`` 0), which is logged."""
+        for name, record in self.updates.items():
+            if name not in self.adapters:
+                continue
+            if record.replay is None:
+                logger.warning("worker %s serves LoRA adapter %s as loaded from %s (version 0): "
+                               "the fleet's version %r came from tensors or a broadcast, which "
+                               "cannot be repeated for one worker", rec.worker_id, name,
+                               self.adapters[name], record.version)
+                continue
+            try:
+                await rec.handle.begin_weight_update.remote(name)
+                for path in record.replay:
+                    await rec.handle.update_weights_from_disk.remote(path)
+                await rec.handle.end_weight_update.remote(record.version)
+            except Exception as exc:  # noqa: BLE001 - it serves the adapter as loaded
+                await _on_each([rec], lambda h: h.abort_weight_update.remote())
+                logger.warning("worker %s could not take LoRA adapter %s version %r: %s",
+                               rec.worker_id, name, record.version, unwrap_ray_error(exc))
+                continue
+            logger.info("worker %s caught up to LoRA adapter %s version %r", rec.worker_id,
+                        name, record.version)
+
+
+@dataclass(frozen=True)
+class AdapterUpdates:
+    """What the fleet's updates of one adapter left: its version, the greatest int version
+    it served, and the .safetensors files applied since its folder (None: an update a
+    worker cannot repeat, from tensors or a broadcast)."""
+
+    version: WeightVersion = 0
+    floor: int = 0
+    replay: list[str] | None = field(default_factory=list)
 
 
 async def _on_each(records, call) -> dict:

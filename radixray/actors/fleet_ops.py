@@ -7,8 +7,8 @@ The fleet-wide control verbs implement :class:`~radixray.cluster.fleet_control.F
 worker's engine verb and reports by worker id.
 
 A mixin of :class:`~radixray.actors.controller.Controller`, which owns the state these
-methods read: ``registry``, ``router``, ``weights``, ``pd``, ``draining``, ``policy``,
-``scaler`` (None for a fixed fleet),
+methods read: ``registry``, ``router``, ``weights``, ``adapters``, ``pd``, ``draining``,
+``policy``, ``scaler`` (None for a fixed fleet),
 and ``_publish`` / ``_checkpoint`` to tell the router and the checkpoint of a change.
 Methods that read the registry wait for a restarted controller's rebuild first.
 """
@@ -24,7 +24,7 @@ from radixray.cluster.autoscaling_metrics import fixed_fleet_families
 from radixray.cluster.errors import WorkerUnavailable, unwrap_ray_error
 from radixray.cluster.messages import FleetHealth, WorkerEntry
 from radixray.cluster.metrics import controller_families
-from radixray.cluster.weight_sources import WeightSource
+from radixray.cluster.weight_sources import DiskWeights, WeightSource
 from radixray.engine.messages import DEFAULT_GROUP
 
 logger = logging.getLogger("radixray.controller")
@@ -227,16 +227,28 @@ class FleetOperations:
         finally:
             self._checkpoint()
 
-    @after_rebuild
     async def update_lora_adapter(self, lora_name: str, lora_path: str,
                                   lora_version: int | str | None = None) -> dict:
-        """Every live worker serves the adapter's weights from ``lora_path`` as
-        ``lora_version`` (None: each worker's next int); results by worker."""
-        try:
-            return await self.adapters.update(self.registry.live(), lora_name, lora_path,
-                                              lora_version)
-        finally:
-            self._checkpoint()
+        """Every live worker or none serves the adapter's weights from ``lora_path`` (a PEFT
+        folder, or a .safetensors file of some of its tensors) as ``lora_version`` (None: the
+        adapter's next int), committed between steps without a pause: ``update_weights``
+        with a disk source for the adapter."""
+        return await self.update_weights(DiskWeights(lora_path, lora_name=lora_name),
+                                         lora_version, pause_mode=None)
+
+    async def _catch_up(self, rec, weight_version) -> str | None:
+        """Bring a just-started worker (serving ``weight_version``) to the fleet's weight
+        version and adapter versions; None when it serves them, else why it cannot (it stays
+        out of routing: FleetWeights.catch_up)."""
+        behind = None
+        if weight_version != self.weights.version:
+            behind = await self.weights.catch_up(rec)
+        else:
+            self.weights.stale.discard(rec.worker_id)
+        if self.adapters.updates and not behind:
+            async with self.weights.lock:
+                await self.adapters.catch_up(rec)
+        return behind
 
     async def lora_adapters(self) -> dict[str, str]:
         """The LoRA adapters the fleet serves: name -> path."""
@@ -275,7 +287,16 @@ class FleetOperations:
         ``source``: a cluster/weight_sources.py type (disk, tensor, distributed). The version
         is an int or a string label (engine/weights/version.py); it defaults to the next
         integer, and a refused one raises VersionRefused with nothing started. Workers left
-        stale by a restart take requests again afterwards."""
+        stale by a restart take requests again afterwards. A source's ``lora_name``: that
+        LoRA adapter's update instead, under its own version (actors/fleet_lora.py); the
+        base weights, their version and the stale workers stay as they are."""
+        if getattr(source, "lora_name", None) is not None:  # else FleetWeights checks its type
+            try:
+                return await self.adapters.update(self.registry.live(), source, weight_version,
+                                                  pause_mode, list(release_memory), keep_paused,
+                                                  self.weights.lock)
+            finally:
+                self._checkpoint()
         result = await self.weights.update(self.registry.live(), source, weight_version,
                                            pause_mode, list(release_memory), keep_paused)
         for rec in self.registry.live():

@@ -13,6 +13,9 @@ Phases, each timed (returned and exported as ``radixray:weight_update_phase_seco
 5. ``commit``: every worker swaps the new weights in with the same version;
 6. ``resume``: released memory comes back and generation continues.
 
+A source with ``lora_name`` updates that LoRA adapter instead, by the same phases, under
+the adapter's own version (actors/fleet_lora.py checks it and keeps the fleet's record).
+
 If any worker fails before every commit succeeded, every session is dropped and every
 worker that had committed rolls back, so all serve the old version, and the call
 raises :class:`FleetUpdateFailed` naming the worker and its error. Memory and pause
@@ -131,7 +134,7 @@ async def run_fleet_update(workers: dict, source: WeightSource, version: WeightV
             await timed("pause", lambda h: h.pause_generation.remote(pause_mode))
         if release:
             await timed("release", lambda h: h.release_memory_occupation.remote(list(release)))
-        await timed("transfer", lambda h: h.begin_weight_update.remote())
+        await timed("transfer", lambda h: h.begin_weight_update.remote(source.lora_name))
         await timed("transfer", lambda h: stage(source, h))
         await timed("load", lambda h: h.prepare_weight_update.remote(version))
         t0 = time.perf_counter()

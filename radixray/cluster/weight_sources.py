@@ -4,11 +4,15 @@ A source is built by whoever asks for the update (the HTTP ingress, an RL job, a
 benchmark), travels to the controller through Ray and is staged on every worker
 (actors/weight_rollout.py dispatches on its type). Plain picklable dataclasses, free of
 torch and Ray at import, so the ingress can build them cheaply.
+
+Every kind takes ``lora_name``: the update is then for that served LoRA adapter, with
+PEFT-named tensors (a PEFT folder from disk: the whole adapter), under the adapter's own
+version (engine/weights/adapter_stage.py; actors/fleet_lora.py runs it fleet-wide).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from radixray.engine.messages import DEFAULT_GROUP
@@ -18,9 +22,15 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class DiskWeights:
+class _Source:
+    lora_name: str | None = field(default=None, kw_only=True)  # None: the base weights
+
+
+@dataclass(frozen=True)
+class DiskWeights(_Source):
     """A Hugging Face folder or a .safetensors file that every worker can read. The only
-    kind a restarted worker can repeat on its own to catch up with the fleet."""
+    kind a restarted worker can repeat on its own to catch up with the fleet. For an
+    adapter: a PEFT folder, or a .safetensors file of some of its tensors."""
 
     path: str
 
@@ -30,7 +40,7 @@ class DiskWeights:
 
 
 @dataclass(frozen=True)
-class TensorWeights:
+class TensorWeights(_Source):
     """Tensors from the caller's process: ``shared``, the handle of a colocated trainer's
     shared-memory file (:class:`SharedWeightsWriter`, the fast path, readable on the
     trainer's node only), and/or ``payload``, the ObjectRef of a
@@ -49,7 +59,7 @@ class TensorWeights:
 
 
 @dataclass(frozen=True)
-class DistributedWeights:
+class DistributedWeights(_Source):
     """The tensors a trainer (rank 0) broadcasts over ``group_name``, in this order, with
     these dtypes and shapes (the group is joined first: the controller's
     ``init_weights_update_group``)."""

@@ -222,8 +222,11 @@ class EngineControl(Protocol):
 
     # ---- weight updates: begin, stage (tensor | disk | distributed), prepare, commit,
     # finish; or end (prepare + commit + finish); abort or rollback on failure.
-    def begin_weight_update(self) -> None:
-        """Open a weight-update session (ValueError if one is open)."""
+    def begin_weight_update(self, lora_name: str | None = None) -> None:
+        """Open a weight-update session (ValueError if one is open): for the base weights, or
+        with ``lora_name`` for that loaded LoRA adapter (ValueError naming an unknown one),
+        whose PEFT-named tensors the same calls stage and whose own version the end takes
+        (engine/weights/adapter_stage.py; the base version stays)."""
 
     def update_weights_from_tensor(self, named_tensors) -> dict:
         """Stage Hugging Face-named tensors in the open session."""
@@ -283,14 +286,15 @@ class EngineControl(Protocol):
     def update_lora_adapter(self, lora_name: str, lora_path: str | None = None,
                             named_tensors=None,
                             lora_version: WeightVersion | None = None) -> dict:
-        """Update loaded adapter ``lora_name`` in place (RL with a LoRA policy): its weights
-        from a PEFT folder (``lora_path``, all of them) or PEFT-named tensors (any subset),
+        """Update loaded adapter ``lora_name`` in place (RL with a LoRA policy) in a one-call
+        weight-update session: its weights from a PEFT folder (``lora_path``, all of them; a
+        .safetensors file: the tensors it holds) or PEFT-named tensors (any subset),
         served from the next step on under ``lora_version`` (its own version, the base
         weights' rules; None: the next int). Only this adapter's outputs change; its old KV
         is never matched again; running requests with it carry the new version in
         ``meta_info.lora_version``. ``{"lora_name", "lora_version", "previous_version",
-        "running_requests"}``; ValueError (nothing changes) for an unknown adapter or a
-        weight that does not fit, VersionRefused for a refused version."""
+        "running_requests", "phases"}``; ValueError (nothing changes) for an unknown adapter,
+        a weight that does not fit or an open session, VersionRefused for a refused version."""
 
     def unload_lora_adapter(self, lora_name: str) -> dict:
         """Stop serving adapter ``lora_name`` (its slot and host copy go; its cached KV is

@@ -38,14 +38,9 @@ from radixray.engine.streams import (
     Subscribers,
     finished_result,
 )
+from radixray.engine.weights.adapter_stage import update_adapter
 from radixray.engine.weights.loader import resolve_model
-from radixray.engine.weights.lora_slots import (
-    read_adapter_for,
-    read_adapter_update,
-    register_adapter,
-    unload_adapter,
-    update_adapter,
-)
+from radixray.engine.weights.lora_slots import read_adapter_for, register_adapter, unload_adapter
 from radixray.engine.weights.session import DEFAULT_GROUP, WeightUpdater
 from radixray.engine.weights.version import WeightVersion
 
@@ -349,8 +344,8 @@ class Engine(PDVerbs):
         self.scheduler.reset_stats()
 
     # ---- weight updates (engine/weights/session.py; contracts: control.EngineControl) ----
-    def begin_weight_update(self) -> None:
-        self.weights.begin()
+    def begin_weight_update(self, lora_name: str | None = None) -> None:
+        self.weights.begin(lora_name)
 
     def update_weights_from_tensor(self, named_tensors) -> dict:
         return self.weights.update_from_tensor(named_tensors)
@@ -413,9 +408,8 @@ class Engine(PDVerbs):
     def update_lora_adapter(self, lora_name: str, lora_path: str | None = None,
                             named_tensors=None,
                             lora_version: WeightVersion | None = None) -> dict:
-        adapter = read_adapter_update(self.adapters, lora_name, lora_path, named_tensors)
-        return self.call_in_loop(lambda s: update_adapter(self.adapters, s.held_requests(),
-                                                          adapter, lora_version))
+        return update_adapter(self.weights, lora_name, lora_path, named_tensors, lora_version,
+                              self.call_in_loop)
 
     @scheduler_verb()
     def unload_lora_adapter(self, lora_name: str) -> dict:

@@ -354,7 +354,7 @@ class Ingress:
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(self, body: UpdateWeightsFromDisk):
         """One all-or-none update of every worker from a checkpoint on disk."""
-        return await self._update(DiskWeights(body.model_path), body)
+        return await self._update(DiskWeights(body.model_path, lora_name=body.lora_name), body)
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(self, body: InitWeightsUpdateGroup):
@@ -370,7 +370,8 @@ class Ingress:
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(self, body: UpdateWeightsFromDistributed):
-        source = DistributedWeights(body.names, body.dtypes, body.shapes, body.group_name)
+        source = DistributedWeights(body.names, body.dtypes, body.shapes, body.group_name,
+                                    lora_name=body.lora_name)
         return await self._update(source, body)
 
     @app.post("/load_lora_adapter")
@@ -398,6 +399,9 @@ class Ingress:
     async def _update(self, source: WeightSource, body) -> dict:
         result = await self._admin(self.controller.update_weights.remote(
             source, body.weight_version, body.pause_mode, body.release_memory, body.keep_paused))
+        if body.lora_name is not None:
+            return {"success": True, "message": f"LoRA adapter {body.lora_name!r} updated to "
+                    f"version {result['lora_version']!r}", **result}
         return {"success": True, "message": f"weights updated to version "
                 f"{result['weight_version']}", **result}
 

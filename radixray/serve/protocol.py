@@ -299,6 +299,10 @@ class _FleetUpdate(BaseModel):
     pause_mode: PauseMode | None = "retract"
     release_memory: list[ReleasableDuringUpdate] = []
     keep_paused: bool = False
+    lora_name: str | None = Field(None, min_length=1, description=(
+        "update this served LoRA adapter instead of the base weights: PEFT-named tensors (a "
+        "PEFT folder from disk: the whole adapter), under the adapter's own version "
+        "(weight_version then names it; the base version stays)"))
 
     @field_validator("weight_version", mode="before")
     @classmethod

@@ -166,6 +166,19 @@ def test_lora_options_are_checked():
     assert EngineConfig(lora_paths=["a=/x"]).lora_paths == ("a=/x",)
 
 
+def _both_adapters(tiny_llama_dir, lora_adapters) -> Engine:
+    """An fp32 engine serving alpha and beta (its own: the tests update them)."""
+    return Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=4096,
+                  check_kv_conservation=True,
+                  lora_paths=[f"{name}={path}" for name, path in lora_adapters.items()])
+
+
+def _each_adapter(eng, prompt) -> list[dict]:
+    """``prompt`` greedy by the base model, alpha and beta, in one batch."""
+    return eng.generate(input_ids=[prompt] * 3, sampling_params=GREEDY,
+                        lora_path=[None, "alpha", "beta"])
+
+
 def test_an_adapter_update_changes_only_that_adapters_outputs_version_stamped(
         tiny_llama_dir, lora_adapters, references, tmp_path):
     from model_fixtures import LORA_ADAPTERS, make_lora_adapter
@@ -176,17 +189,14 @@ def test_an_adapter_update_changes_only_that_adapters_outputs_version_stamped(
     rank, alpha, rslora, _ = LORA_ADAPTERS["alpha"]
     v2 = make_lora_adapter(tiny_llama_dir, str(tmp_path / "alpha-v2"), rank, alpha, rslora, 99)
     want_v2, gaps_v2 = hf_greedy(merged_hf(tiny_llama_dir, v2), prompts[3], NEW_TOKENS)
-    paths = [f"{name}={path}" for name, path in lora_adapters.items()]
-    loras = [None, "alpha", "beta"]
-    with Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=4096,
-                check_kv_conservation=True, lora_paths=paths) as eng:
+    with _both_adapters(tiny_llama_dir, lora_adapters) as eng:
         def run():
-            return eng.generate(input_ids=[prompts[3]] * 3, sampling_params=GREEDY,
-                                lora_path=loras)
+            return _each_adapter(eng, prompts[3])
         before = run()
         assert [o["meta_info"].get("lora_version") for o in before] == [None, 0, 0]
         tensors = load_file(os.path.join(v2, "adapter_model.safetensors"))
         out = eng.update_lora_adapter("alpha", named_tensors=tensors, lora_version="step-1")
+        assert out.pop("phases").keys() >= {"transfer", "commit"}
         assert out == {"lora_name": "alpha", "lora_version": "step-1", "previous_version": 0,
                        "running_requests": 0}
         after = run()
@@ -209,6 +219,85 @@ def test_an_adapter_update_changes_only_that_adapters_outputs_version_stamped(
         again = run()
         assert again[1]["output_ids"] == before[1]["output_ids"]
         assert again[1]["meta_info"]["lora_version"] == 1
+
+
+def test_a_weight_update_session_updates_one_adapter_by_every_transport(
+        tiny_llama_dir, lora_adapters, references, tmp_path):
+    """``begin_weight_update(lora_name=...)``: PEFT-named tensors of beta's new weights
+    arrive in three parts (tensors, a .safetensors file, a trainer's gloo broadcast) while
+    the old beta serves; the end serves them under beta's own version. The base model and
+    alpha answer as before, beta as HF with the new adapter merged; the base weight version
+    does not move. A bad tensor ends the session with the old adapter serving; a rollback
+    serves the old adapter again."""
+    from model_fixtures import LORA_ADAPTERS, make_lora_adapter
+    from safetensors.torch import load_file, save_file
+    from weight_helpers import spawn_trainer
+
+    from radixray.engine.weights.sync import WeightBroadcaster
+    prompts, refs = references
+    rank, alpha, rslora, _ = LORA_ADAPTERS["beta"]
+    v2 = make_lora_adapter(tiny_llama_dir, str(tmp_path / "beta-v2"), rank, alpha, rslora, 77)
+    want, gaps = hf_greedy(merged_hf(tiny_llama_dir, v2), prompts[4], NEW_TOKENS)
+    new = load_file(os.path.join(v2, "adapter_model.safetensors"))
+    names = sorted(new)
+    parts = [{n: new[n] for n in names[i::3]} for i in range(3)]
+    save_file(parts[1], str(tmp_path / "delta.safetensors"))
+    trainer, port = spawn_trainer(dict(sorted(parts[2].items())), tmp_path)
+    try:
+        with _both_adapters(tiny_llama_dir, lora_adapters) as eng:
+            def run():
+                return _each_adapter(eng, prompts[4])
+            before = run()
+            assert_greedy_equal(before[2]["output_ids"], *refs[("beta", 4)], "beta")
+            eng.init_weights_update_group("127.0.0.1", port, 1, 2, group_name="g")
+            eng.begin_weight_update(lora_name="beta")
+            assert eng.update_weights_from_tensor(parts[0])["tensors"] == len(parts[0])
+            eng.update_weights_from_disk(str(tmp_path / "delta.safetensors"))
+            eng.update_weights_from_distributed(*WeightBroadcaster.spec(sorted(parts[2].items())),
+                                                group_name="g")
+            _, err = trainer.communicate(timeout=120)
+            assert trainer.returncode == 0, err
+            assert [o["output_ids"] for o in run()] == [o["output_ids"] for o in before]
+            out = eng.end_weight_update("rl-1")
+            assert (out["lora_name"], out["lora_version"], out["previous_version"]) == (
+                "beta", "rl-1", 0)
+            after = run()
+            assert after[0]["output_ids"] == before[0]["output_ids"]
+            assert after[1]["output_ids"] == before[1]["output_ids"]
+            assert_greedy_equal(after[2]["output_ids"], want, gaps, "beta updated by a session")
+            assert [o["meta_info"].get("lora_version") for o in after] == [None, 0, "rl-1"]
+            assert {o["meta_info"]["weight_version"] for o in after} == {0}
+            assert eng.get_weight_version() == 0
+            assert after[2]["meta_info"]["cached_tokens"] == 0  # beta's old KV: retired
+            assert after[1]["meta_info"]["cached_tokens"] == len(prompts[4]) - 1
+
+            alpha_new = load_file(os.path.join(lora_adapters["alpha"],
+                                               "adapter_model.safetensors"))
+            eng.begin_weight_update(lora_name="beta")  # rank 4 tensors for a rank 8 adapter
+            with pytest.raises(ValueError, match=r"the update sends \[4, \d+\] \(tensor '.*"
+                               r"layers\.\d+\.\w+\.\w+_proj\.lora_A\.weight'\)"):
+                eng.update_weights_from_tensor(alpha_new)
+            eng.begin_weight_update(lora_name="beta")  # the failed session ended
+            with pytest.raises(ValueError, match="'model.layers.0.self_attn.q_proj.weight' is "
+                               "not a LoRA weight"):
+                eng.update_weights_from_tensor({"model.layers.0.self_attn.q_proj.weight":
+                                                torch.zeros(64, 64)})
+            with pytest.raises(ValueError, match="unknown LoRA adapter 'gamma'"):
+                eng.begin_weight_update(lora_name="gamma")
+            assert [o["output_ids"] for o in run()] == [o["output_ids"] for o in after]
+
+            # committed, then rolled back (a fleet update that failed elsewhere)
+            eng.begin_weight_update(lora_name="beta")
+            eng.update_weights_from_disk(lora_adapters["beta"])
+            eng.prepare_weight_update(7)
+            assert eng.commit_weight_update() == 7
+            assert run()[2]["output_ids"] == before[2]["output_ids"]
+            assert eng.rollback_weight_update() is True
+            again = run()
+            assert again[2]["output_ids"] == after[2]["output_ids"]
+            assert again[2]["meta_info"]["lora_version"] == "rl-1"
+    finally:
+        trainer.kill()
 
 
 def test_adapters_run_on_int8_weights_too(tiny_llama_dir, lora_adapters, lora_eng):

@@ -5,7 +5,8 @@
 tokens equal Hugging Face's with the adapter merged; ``/load_lora_adapter`` and
 ``/unload_lora_adapter`` change every worker (a load one worker refuses changes none);
 an unknown adapter is a 400 naming it; the router sends an adapter's requests to the worker
-that already runs it.
+that already runs it; ``/update_weights_from_disk`` with ``lora_name`` updates one adapter on
+every worker through weight-update sessions, under the adapter's own version.
 """
 
 import httpx
@@ -64,8 +65,7 @@ def test_adapters_are_listed_loaded_and_unloaded_on_every_worker(server, lora_ad
         "lora_name": "alpha2", "lora_path": lora_adapters["alpha"], "lora_version": "v2"},
         timeout=120)
     assert r.status_code == 200, r.text
-    assert {w: v["lora_version"] for w, v in r.json()["workers"].items()} == {
-        "worker-0": "v2", "worker-1": "v2"}
+    assert (r.json()["workers"], r.json()["lora_version"]) == (["worker-0", "worker-1"], "v2")
     meta = _generate(server, [4, 5, 6], "alpha2")["meta_info"]
     assert (meta["lora_path"], meta["lora_version"]) == ("alpha2", "v2")
     r = httpx.post(f"{server}/unload_lora_adapter", json={"lora_name": "alpha2"}, timeout=120)
@@ -119,3 +119,51 @@ def test_the_router_sends_an_adapters_requests_to_the_worker_running_it(server):
     again = _generate(server, ids, "alpha")["meta_info"]
     assert first["cached_tokens"] == 0 and again["cached_tokens"] == len(ids) - 1
     assert again["worker_id"] in workers
+
+
+def _on_worker(base: str, worker: str, ids: list[int], lora_path=None) -> dict:
+    """Generate on ``worker``: the other one drains meanwhile."""
+    other = "worker-1" if worker == "worker-0" else "worker-0"
+    assert httpx.post(f"{base}/fleet/workers/{other}/drain", timeout=60).status_code == 200
+    try:
+        out = _generate(base, ids, lora_path)
+    finally:
+        assert httpx.post(f"{base}/fleet/workers/{other}/resume", timeout=60).status_code == 200
+    assert out["meta_info"]["worker_id"] == worker
+    return out
+
+
+def test_an_adapter_update_session_from_disk_reaches_every_worker(server, lora_adapters,
+                                                                  tmp_path):
+    from safetensors.torch import load_file, save_file
+    ids = [7, 91, 23, 5, 60, 18, 3]
+    old = load_file(f"{lora_adapters['alpha']}/adapter_model.safetensors")
+    save_file({n: 3 * t for n, t in old.items() if ".lora_B." in n},
+              str(tmp_path / "delta.safetensors"))  # some of alpha's tensors
+    before = {w: (_on_worker(server, w, ids), _on_worker(server, w, ids, "alpha"))
+              for w in ("worker-0", "worker-1")}
+    r = httpx.post(f"{server}/update_weights_from_disk", json={
+        "model_path": str(tmp_path / "delta.safetensors"), "lora_name": "alpha",
+        "weight_version": "rl-3", "pause_mode": None}, timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert (body["lora_name"], body["lora_version"], body["workers"]) == (
+        "alpha", "rl-3", ["worker-0", "worker-1"])
+    assert httpx.get(f"{server}/get_weight_version", timeout=60).json()["weight_version"] == 0
+    updated = set()
+    for w, (base, alpha) in before.items():
+        assert _on_worker(server, w, ids)["output_ids"] == base["output_ids"]
+        out = _on_worker(server, w, ids, "alpha")
+        assert out["meta_info"]["lora_version"] == "rl-3"
+        assert out["output_ids"] != alpha["output_ids"]
+        updated.add(tuple(out["output_ids"]))
+    assert len(updated) == 1  # the same new weights on both workers
+    r = httpx.post(f"{server}/update_weights_from_disk", json={
+        "model_path": lora_adapters["alpha"], "lora_name": "gamma"}, timeout=120)
+    assert r.status_code == 400 and "unknown LoRA adapter 'gamma'" in r.text
+    # the whole adapter again from its folder: the next int version, the first weights
+    r = httpx.post(f"{server}/update_weights_from_disk", json={
+        "model_path": lora_adapters["alpha"], "lora_name": "alpha"}, timeout=120)
+    assert r.status_code == 200 and r.json()["lora_version"] == 1, r.text
+    for w, (_, alpha) in before.items():
+        assert _on_worker(server, w, ids, "alpha")["output_ids"] == alpha["output_ids"]

@@ -1,5 +1,6 @@
 """The fleet-wide update's all-or-none logic and a restarted worker's catch-up, over fake
-worker handles (the Ray path is tests/cpu/test_fleet.py)."""
+worker handles (the Ray path is tests/cpu/test_fleet.py); a LoRA adapter's fleet update and
+catch-up over real engines behind the handles' call shape."""
 
 from __future__ import annotations
 
@@ -187,3 +188,63 @@ def test_a_worker_restarted_after_only_renames_takes_the_name_and_serves():
     assert weights.stale == {"c"}
     _run(weights.update(recs, TensorWeights(payload="ref"), 7, "retract", [], False))
     assert "fleet is at 7" in _run(weights.catch_up(Rec("d", FakeWorker("d"))))
+
+
+class LocalWorker:
+    """A real Engine behind the actor handle's call shape (``handle.verb.remote(...)``)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getattr__(self, method):
+        verb = getattr(self.engine, method)
+
+        class _Method:
+            @staticmethod
+            def remote(*args):
+                return asyncio.to_thread(verb, *args)
+        return _Method
+
+
+def test_a_worker_started_after_an_adapter_update_from_disk_catches_up(
+        tiny_llama_dir, lora_adapters, tmp_path):
+    """The fleet's LoRA update runs as a session on every worker; a worker started later
+    loads the fleet's adapter folder and replays the .safetensors files applied since, under
+    the adapter's version. After an update from tensors it cannot: the record says so."""
+    from safetensors.torch import load_file, save_file
+
+    from radixray import Engine
+    from radixray.actors.fleet_lora import FleetAdapters
+    old = load_file(f"{lora_adapters['alpha']}/adapter_model.safetensors")
+    save_file({n: 3 * t for n, t in old.items() if ".lora_B." in n}, str(tmp_path / "d.safetensors"))
+    fleet = FleetAdapters({"alpha": lora_adapters["alpha"]})
+    greedy = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
+
+    def start():
+        return Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=1024,
+                      **fleet.engine_options())
+
+    def alpha(engine):
+        out = engine.generate(input_ids=[5, 9, 40, 3], sampling_params=greedy, lora_path="alpha")
+        return out["output_ids"], out["meta_info"]["lora_version"]
+
+    with start() as first:
+        was = alpha(first)
+        out = _run(fleet.update([Rec("w0", LocalWorker(first))],
+                                DiskWeights(str(tmp_path / "d.safetensors"), lora_name="alpha"),
+                                "rl-1", None, [], False, asyncio.Lock()))
+        assert (out["lora_version"], out["workers"]) == ("rl-1", ["w0"])
+        now = alpha(first)
+        assert now[1] == "rl-1" and now[0] != was[0] and first.get_weight_version() == 0
+        with pytest.raises(VersionRefused, match="adapter 'alpha'"):
+            _run(fleet.update([Rec("w0", LocalWorker(first))],
+                              DiskWeights(lora_adapters["alpha"], lora_name="alpha"), 0, None,
+                              [], False, asyncio.Lock()))
+        with start() as later:
+            _run(fleet.catch_up(Rec("w1", LocalWorker(later))))
+            assert alpha(later) == now
+        _run(fleet.update([Rec("w0", LocalWorker(first))],
+                          TensorWeights(payload=old, lora_name="alpha"), 2, None, [], False,
+                          asyncio.Lock()))
+        assert alpha(first) == (was[0], 2)
+        assert fleet.updates["alpha"].replay is None  # a later worker cannot repeat it

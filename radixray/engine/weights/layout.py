@@ -314,6 +314,15 @@ class WeightStage:
         for name, tensor in named:
             self.add(name, tensor)
 
+    def check_shape(self, name: str, shape) -> None:
+        """ValueError naming tensor ``name`` unless :meth:`add` would take a ``shape`` tensor
+        of that name (checked before a broadcast is received)."""
+        shard = self.shard(name)
+        local = self.layout.local(name, torch.empty(tuple(shape), device="meta"))
+        if shard is not None and tuple(shard.shape) != tuple(local.shape):
+            raise ValueError(f"tensor {name!r} has shape {tuple(shape)}; the model expects "
+                             f"{shard.shape}")
+
     def shard(self, name: str) -> Shard | None:
         """The shard ``name`` fills (None: skipped on purpose); ValueError for an unknown name."""
         try:

@@ -31,7 +31,7 @@ from radixray.engine.weights.lora_options import (
     check_adapter_name,
     parse_lora_path,
 )
-from radixray.engine.weights.peft_adapter import LoraAdapter, read_peft_adapter, updated_adapter
+from radixray.engine.weights.peft_adapter import LoraAdapter, read_peft_adapter
 from radixray.engine.weights.version import (
     WeightVersion,
     check_version,
@@ -137,6 +137,10 @@ class LoraSlots:
         """The version of adapter ``name`` serving now (0 when loaded, then each update's)."""
         return self.versions.get(name, 0)
 
+    def floor(self, name: str) -> int:
+        """The greatest int version adapter ``name`` served (its versions' floor)."""
+        return self._floors.get(name, 0)
+
     def adapters(self) -> dict[str, str]:
         """Loaded adapter name -> its path."""
         return {name: a.path for name, (a, _) in list(self._adapters.items())}
@@ -191,22 +195,25 @@ class LoraSlots:
         return check_version(version, floor, f"the greatest integer version adapter {name!r} "
                              "served so far")
 
-    def replace(self, adapter: LoraAdapter, version: WeightVersion, held: list) -> int:
+    def replace(self, adapter: LoraAdapter, version: WeightVersion, held: list,
+                floor: int | None = None) -> int:
         """Scheduler thread: serve ``adapter``'s new weights under its name from the next
         step on, as ``version``. Its radix-cache namespace is new (KV of the old weights is
         never matched again); a slot holding it is refilled; the ``held`` requests running
-        with it are stamped with the new version. Returns how many those were."""
+        with it are stamped with the new version. Its floor rises to ``version``, or is set
+        to ``floor`` (a rollback's). Returns how many requests those were."""
         ns = next(self._namespaces)
         self._adapters[adapter.name] = (adapter, ns)
         self.versions[adapter.name] = version
-        self._floors[adapter.name] = raise_floor(self._floors.get(adapter.name, 0), version)
+        self._floors[adapter.name] = (raise_floor(self._floors.get(adapter.name, 0), version)
+                                      if floor is None else floor)
         if adapter.name in self.slot_names:
             self._fill(self.slot_names.index(adapter.name), adapter)
         users = [r for r in held if r.lora == adapter.name]
         for req in users:
             req.lora_version = version
-        logger.info("LoRA adapter %s updated to version %r (%d running requests)",
-                    adapter.name, version, len(users))
+        logger.info("LoRA adapter %s %s version %r (%d running requests)", adapter.name,
+                    "updated to" if floor is None else "rolled back to", version, len(users))
         return len(users)
 
     def prepare(self, names: set[str]) -> dict[str, int]:
@@ -327,45 +334,21 @@ def register_adapter(slots: LoraSlots, adapter: LoraAdapter) -> dict:
             "loaded_adapters": slots.adapters()}
 
 
+def unknown_adapter(call: str, slots: LoraSlots | None, name: str) -> ValueError:
+    """The error of verb ``call`` for an adapter ``name`` this engine does not serve."""
+    return ValueError(f"{call}: unknown LoRA adapter {name!r}; loaded adapters: "
+                      f"{sorted(slots.adapters()) if slots else []}")
+
+
 def unload_adapter(slots: LoraSlots | None, held: list, name: str) -> dict:
     """Scheduler thread: drop adapter ``name``; the unload verb's answer. ValueError naming
     it when it is not loaded or when requests ``held`` by the scheduler still use it
     (nothing changes then)."""
     if slots is None or slots.namespace(name) is None:
-        raise ValueError(f"unload_lora_adapter: unknown LoRA adapter {name!r}; loaded "
-                         f"adapters: {sorted(slots.adapters()) if slots else []}")
+        raise unknown_adapter("unload_lora_adapter", slots, name)
     users = sum(1 for r in held if r.lora == name)
     if users:
         raise ValueError(f"unload_lora_adapter: LoRA adapter {name!r} is in use by {users} "
                          "request(s); unload it once they finish")
     slots.unregister(name)
     return {"lora_name": name, "loaded_adapters": slots.adapters()}
-
-
-def read_adapter_update(slots: LoraSlots | None, name: str, lora_path: str | None,
-                        named_tensors) -> LoraAdapter:
-    """Adapter ``name``'s new weights from a PEFT folder (``lora_path``: all of them) or from
-    PEFT-named tensors (any subset; the rest kept). ValueError naming the adapter when it is
-    not loaded, when neither or both sources are given, or when a weight does not fit."""
-    if slots is None or slots.namespace(name) is None:
-        raise ValueError(f"update_lora_adapter: unknown LoRA adapter {name!r}; loaded "
-                         f"adapters: {sorted(slots.adapters()) if slots else []}")
-    if (lora_path is None) == (named_tensors is None):
-        raise ValueError("update_lora_adapter: give exactly one of lora_path and named_tensors")
-    if lora_path is not None:  # a whole new adapter under the old name (any rank that fits)
-        new = read_peft_adapter(name, lora_path, slots.num_layers)
-        slots.check(new, replacing=True)
-        return new
-    tensors = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
-    return updated_adapter(slots.adapter(name), list(tensors), slots.num_layers)
-
-
-def update_adapter(slots: LoraSlots, held: list, adapter: LoraAdapter,
-                   version: WeightVersion | None) -> dict:
-    """Scheduler thread: serve ``adapter`` (read by :func:`read_adapter_update`) as
-    ``version``; the update verb's answer. VersionRefused changes nothing."""
-    previous = slots.version(adapter.name)
-    version = slots.check_version(adapter.name, version)
-    running = slots.replace(adapter, version, held)
-    return {"lora_name": adapter.name, "lora_version": version, "previous_version": previous,
-            "running_requests": running}

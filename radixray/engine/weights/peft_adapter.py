@@ -65,10 +65,12 @@ def _check_config(cfg: dict, name: str) -> None:
 
 def group_lora_tensors(name: str, tensors, num_layers: int):
     """PEFT-named tensors (``...layers.<i>.self_attn.q_proj.lora_A.weight``) grouped as
-    ``{(layer, module): {"A"|"B": tensor}}``, and each key's module name before ``.lora_``.
-    ValueError naming the adapter and the tensor outside the served projections."""
+    ``{(layer, module): {"A"|"B": tensor}}``, each key's module name before ``.lora_``, and
+    each ``(key, half)``'s tensor name. ValueError naming the adapter and the tensor outside
+    the served projections."""
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     full_names: dict[tuple[int, str], str] = {}
+    tensor_names: dict[tuple[tuple[int, str], str], str] = {}
     for tname, t in tensors:
         m = _TENSOR_NAME.search(tname)
         if m is None or m.group(2) not in LORA_MODULES:
@@ -80,26 +82,38 @@ def group_lora_tensors(name: str, tensors, num_layers: int):
                              f"the model has {num_layers}")
         halves.setdefault((layer, module), {})[m.group(3)] = t
         full_names[(layer, module)] = tname[:tname.index(".lora_")]
-    return halves, full_names
+        tensor_names[((layer, module), m.group(3))] = tname
+    return halves, full_names, tensor_names
+
+
+def checked_update(old: LoraAdapter, tensors, num_layers: int) -> dict:
+    """The PEFT-named ``tensors`` (or anything with a ``shape``: a shape check before a
+    broadcast) grouped as by :func:`group_lora_tensors`, once each fits ``old``: ValueError
+    naming the adapter and the tensor for a weight ``old`` does not have or a shape other
+    than its (an update keeps the adapter's ranks)."""
+    halves, _, tensor_names = group_lora_tensors(old.name, tensors, num_layers)
+    for key, pair in halves.items():
+        if key not in old.weights:
+            tname = tensor_names[(key, next(iter(pair)))]
+            raise ValueError(f"LoRA adapter {old.name!r} has no weights for layer {key[0]} "
+                             f"{key[1]} (tensor {tname!r}); an update changes the adapter's own "
+                             f"weights only")
+        have = dict(zip("AB", old.weights[key]))
+        for half, t in pair.items():
+            if tuple(t.shape) != tuple(have[half].shape):
+                raise ValueError(f"LoRA adapter {old.name!r}: layer {key[0]} {key[1]} lora_"
+                                 f"{half} is {list(have[half].shape)}, the update sends "
+                                 f"{list(t.shape)} (tensor {tensor_names[(key, half)]!r})")
+    return halves
 
 
 def updated_adapter(old: LoraAdapter, tensors, num_layers: int) -> LoraAdapter:
     """``old`` with the A or B matrices of PEFT-named ``tensors`` replaced (the rest, ranks
-    and scalings kept). ValueError naming the adapter and the tensor for a weight ``old``
-    does not have or a shape other than its."""
-    halves, _ = group_lora_tensors(old.name, tensors, num_layers)
+    and scalings kept); ValueError as :func:`checked_update`."""
     weights = dict(old.weights)
-    for key, pair in halves.items():
-        if key not in weights:
-            raise ValueError(f"LoRA adapter {old.name!r} has no weights for layer {key[0]} "
-                             f"{key[1]}; an update changes the adapter's own weights only")
-        a, b = weights[key]
-        new = {"A": a, "B": b}
+    for key, pair in checked_update(old, tensors, num_layers).items():
+        new = dict(zip("AB", weights[key]))
         for half, t in pair.items():
-            if tuple(t.shape) != tuple(new[half].shape):
-                raise ValueError(f"LoRA adapter {old.name!r}: layer {key[0]} {key[1]} lora_"
-                                 f"{half} is {list(new[half].shape)}, the update sends "
-                                 f"{list(t.shape)}")
             new[half] = t.detach().float().cpu().clone()
         weights[key] = (new["A"], new["B"])
     return LoraAdapter(old.name, old.path, old.rank, weights, dict(old.scalings))
@@ -119,7 +133,8 @@ def read_peft_adapter(name: str, path: str, num_layers: int) -> LoraAdapter:
     with open(cfg_path) as f:
         cfg = json.load(f)
     _check_config(cfg, name)
-    halves, full_names = group_lora_tensors(name, load_file(weights_path).items(), num_layers)
+    halves, full_names, _ = group_lora_tensors(name, load_file(weights_path).items(),
+                                               num_layers)
     weights, scalings, rank = {}, {}, 0
     alpha0, r0 = cfg.get("lora_alpha", cfg.get("r", 8)), cfg.get("r", 8)
     for key, pair in halves.items():

@@ -21,6 +21,11 @@ with its staged weights: the caller ends it again with a valid version. The pref
 is keyed by :attr:`WeightUpdater.generation`, which every commit and rollback advances,
 never by the version, so a label named twice never lets KV of other weights match.
 
+A session begun with ``lora_name`` updates that LoRA adapter instead of the base weights
+(engine/weights/adapter_stage.py): the same transports stage PEFT-named tensors, ``end``
+serves them under the adapter's own version (the base version and generation stay, only
+that adapter's cached KV is retired), and rollback serves the old adapter again.
+
 A session stages against the expert placement it began on (EPLB: which slots hold
 copies of which expert), so the placement must hold still from ``begin`` to
 ``finish``: a rebalance takes :meth:`WeightUpdater.exclusive` and runs only when no
@@ -40,6 +45,12 @@ import torch
 
 from radixray.engine.messages import DEFAULT_GROUP  # noqa: F401 - part of this module's API
 from radixray.engine.tp.weights import WeightRelay
+from radixray.engine.weights.adapter_stage import (
+    AdapterCommit,
+    AdapterStage,
+    PreparedAdapter,
+    commit_adapter,
+)
 from radixray.engine.weights.layout import Prepared, Undo, WeightLayout, WeightStage
 from radixray.engine.weights.loader import safetensors_files
 from radixray.engine.weights.sync import broadcast, close_group, dtype_from_name, open_group
@@ -67,9 +78,10 @@ class WeightUpdater:
         self.floor = 0  # the greatest int version served (version.check_version)
         self.generation = 0  # +1 per commit and rollback: the prefix cache's key
         self._layout: WeightLayout | None = None
-        self._stage: WeightStage | None = None
-        self._prepared: tuple[WeightVersion, Prepared] | None = None
-        self._undo: tuple[WeightVersion, int, Undo] | None = None  # (version, floor, undo)
+        self._stage: WeightStage | AdapterStage | None = None
+        self._prepared: tuple[WeightVersion, Prepared] | PreparedAdapter | None = None
+        # base: (version, floor, undo); an adapter's session: its AdapterCommit
+        self._undo: tuple[WeightVersion, int, Undo] | AdapterCommit | None = None
         self._groups: dict[str, tuple[object, int]] = {}  # name -> (process group, our rank)
         self._phases: dict[str, float] = {}
         self._lock = threading.RLock()
@@ -111,11 +123,17 @@ class WeightUpdater:
         """A session ended (lock held): wake whoever waits for it."""
         self._ended.notify_all()
 
-    def begin(self) -> None:
+    def begin(self, lora_name: str | None = None) -> None:
+        """Open a session for the base weights, or for loaded LoRA adapter ``lora_name``
+        (ValueError naming it when it is not loaded). ValueError if one is open."""
         with self._lock:
             if self._stage is not None or self._undo is not None:
                 raise ValueError("a weight update session is already open: end_weight_update or "
                                  "abort_weight_update first")
+            if lora_name is not None:  # LoRA and tensor parallelism exclude each other: no relay
+                self._stage = AdapterStage(self.runner.lora, lora_name)
+                self._prepared, self._phases = None, {"transfer": 0.0}
+                return
             if self._layout is None or self._layout.stale():
                 self._layout = WeightLayout(self.runner.model)
             # Released weights mean a colocated trainer just ran: memory is fragmented, and
@@ -168,18 +186,20 @@ class WeightUpdater:
         """Stage ``(name, tensor)`` pairs (or a dict); numpy arrays are taken as tensors."""
         items = named.items() if isinstance(named, dict) else named
 
-        def fill(stage: WeightStage) -> None:
-            for name, tensor in items:
-                stage.add(name, torch.as_tensor(tensor))
+        def fill(stage: WeightStage | AdapterStage) -> None:
+            stage.add_all((name, torch.as_tensor(tensor)) for name, tensor in items)
         return self._staging("update_weights_from_tensor", fill)
 
     def update_from_disk(self, path: str) -> dict:
         """Stage every tensor of a Hugging Face folder's (or one file's) safetensors. A folder
         is a whole checkpoint: one that lacks a tensor fails the session (a truncated copy
-        must not serve); a single file may hold any subset (a delta)."""
+        must not serve); a single file may hold any subset (a delta). An adapter's session
+        reads a PEFT folder (the whole adapter) or one file of PEFT-named tensors."""
         from safetensors import safe_open
 
-        def fill(stage: WeightStage) -> None:
+        def fill(stage: WeightStage | AdapterStage) -> None:
+            if isinstance(stage, AdapterStage):
+                return stage.read_disk(path)
             if self.relay is not None:  # each follower reads the files itself
                 self.relay.paused = True
             try:
@@ -238,14 +258,10 @@ class WeightUpdater:
         group, _ = self._groups[group_name]
         device = self.runner.device
 
-        def fill(stage: WeightStage) -> None:
+        def fill(stage: WeightStage | AdapterStage) -> None:
             kinds = [dtype_from_name(d) for d in dtypes]
             for name, shape in zip(names, shapes):  # validate everything before receiving
-                shard = stage.shard(name)
-                local = stage.layout.local(name, torch.empty(tuple(shape), device="meta"))
-                if shard is not None and tuple(shard.shape) != tuple(local.shape):
-                    raise ValueError(f"tensor {name!r} has shape {tuple(shape)}; the model "
-                                     f"expects {shard.shape}")
+                stage.check_shape(name, shape)
             for name, dtype, shape in zip(names, kinds, shapes):
                 target = stage.buffer_for(name, dtype)
                 if target is not None and target.is_contiguous():
@@ -262,9 +278,14 @@ class WeightUpdater:
         """Validate the version (None: the next integer) and finish the staged weights
         (nothing serving changes). A refused version (VersionRefused) keeps the session and
         its staged weights open, so the caller may prepare again with a valid one; any
-        other failure ends the session."""
+        other failure ends the session. An adapter's session checks the version against
+        the adapter's own (lora_slots.py)."""
         with self._lock:
             stage = self._stage_or_raise("end_weight_update")
+            if isinstance(stage, AdapterStage):
+                self._prepared = stage.prepare(version)
+                return {"lora_name": stage.name, "lora_version": self._prepared.version,
+                        "tensors": stage.tensors, "bytes": stage.bytes}
             version = check_version(default_version(self.floor) if version is None else version,
                                     self.floor)
             t0 = time.perf_counter()
@@ -287,11 +308,18 @@ class WeightUpdater:
             return {"weight_version": version, "tensors": prepared.tensors, "bytes": prepared.bytes}
 
     def commit(self, scheduler) -> WeightVersion:
-        """Scheduler thread: the prepared weights go live; returns the new version."""
+        """Scheduler thread: the prepared weights go live; returns the new version (an
+        adapter's session: the adapter's). A failure changes nothing (the caller aborts)."""
         with self._lock:
             if self._prepared is None:
                 raise ValueError("commit: no prepared weight update (call prepare first)")
             t0 = time.perf_counter()
+            if isinstance(self._prepared, PreparedAdapter):
+                self._undo = commit_adapter(self._prepared, self.runner.lora,
+                                            scheduler.held_requests())
+                self._stage = self._prepared = None
+                self._phases["commit"] = time.perf_counter() - t0
+                return self._undo.version
             version, prepared = self._prepared
             self._relay("commit")
             self._undo = (self.version, self.floor, prepared.commit())
@@ -308,6 +336,13 @@ class WeightUpdater:
         with self._lock:
             if self._undo is None:
                 return False
+            if isinstance(self._undo, AdapterCommit):
+                self._undo.rollback(scheduler.held_requests())
+                logger.warning("LoRA adapter %s update rolled back; version %r serves again",
+                               self._undo.name, self._undo.old_version)
+                self._undo = None
+                self._closed()
+                return True
             old_version, self.floor, undo = self._undo
             self._relay("rollback")
             undo.rollback()
@@ -319,10 +354,17 @@ class WeightUpdater:
             return True
 
     def finish(self) -> dict:
-        """Forget the old weights of the last commit (their memory goes) and report it."""
+        """Forget the old weights of the last commit (their memory goes) and report it:
+        ``{"weight_version", "previous_version", "phases"}``, or for an adapter's session
+        ``{"lora_name", "lora_version", "previous_version", "running_requests", "phases"}``."""
         with self._lock:
             if self._undo is None:
                 raise ValueError("finish: no committed weight update to finish")
+            if isinstance(self._undo, AdapterCommit):  # the old adapter's host copy goes
+                report = {**self._undo.report(), "phases": dict(self._phases)}
+                self._undo = None
+                self._closed()
+                return report
             previous = self._undo[0]
             self._undo = None
             self._closed()
