@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
 
+from radixray.bench.launch import free_port  # noqa: F401 - the tests' port picker
+
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
            "TOKENIZERS_PARALLELISM": "false"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_config(model_dir: str, port: int, **server) -> dict:

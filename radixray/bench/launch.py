@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -30,11 +31,24 @@ class ServerFailed(RuntimeError):
     names the server, the URL and its log file, with the log's last lines."""
 
 
+# Servers started here take ports from below the kernel's ephemeral range (32768-60999 on
+# Linux) and above Ray's worker ports (10002-19999): while a fleet starts, Ray's agents bind
+# ephemeral ports of their own, and one once took a port chosen here but not yet bound.
+SERVER_PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listened on a moment ago."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    """A TCP port in :data:`SERVER_PORTS` on 127.0.0.1 that nothing listens on now."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.choice(SERVER_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free TCP port in {SERVER_PORTS.start}..{SERVER_PORTS.stop - 1}")
 
 
 def radixray_command(port: int, extra: list[str]) -> list[str]:
