@@ -39,8 +39,8 @@ from radixray.bench import datasets, json_safe, launch, load_steps
 from radixray.bench.stream_client import ENDPOINTS, ServerUnreachable, get_model_id
 
 KINDS = ("unified", "pd")
-UNIFIED_STEPS = "20s@0.2,60s@1.5,60s@0.2"
-PD_STEPS = "20s@0.2,60s@3,60s@0.2"
+UNIFIED_STEPS = "20s@0.2,60s@2.5,70s@0.2"
+PD_STEPS = "20s@0.2,60s@3,70s@0.2"
 TIMING_FLAGS = ("upscale_delay_s", "downscale_delay_s", "decision_interval_s",
                 "look_back_period_s", "drain_timeout_s")
 
@@ -103,7 +103,7 @@ def check_configs(configs: dict[str, dict]) -> None:
 def run_fleet(name: str, config: dict, steps: list, args: argparse.Namespace,
               tokenizer) -> dict:
     """Start one fleet, run the trace against it, stop it; the trace's summary with the
-    fleet's ``name``, ``config``, start-up seconds and log path."""
+    fleet's ``name``, ``kind``, ``config``, ``url``, start-up seconds and log path."""
     import yaml
     path = os.path.join(args.output_dir, f"{name}.yaml")
     with open(path, "w") as f:
@@ -115,7 +115,7 @@ def run_fleet(name: str, config: dict, steps: list, args: argparse.Namespace,
         model = get_model_id(server.url)
         trace = argparse.Namespace(**{**vars(args), "load_steps": steps})
         summary = load_steps.run_steps(trace, name, server.url, model, tokenizer)
-        summary.update(fleet=name, kind=name.split("-")[0], config=config,
+        summary.update(fleet=name, kind=name.split("-")[0], config=config, url=server.url,
                        startup_s=server.startup_s, log=log)
     return summary
 
@@ -124,19 +124,23 @@ def describe(args: argparse.Namespace, kinds: list[str]) -> str:
     """The settings every fleet ran with, in a few lines."""
     steps = {kind: load_steps.format_load_steps(args.steps[kind]) for kind in kinds}
     shares = {kind: worker_share(args, kind) for kind in kinds}
+    def span(length: int) -> str:
+        return f"{max(int(length * args.random_range_ratio), 1)}-{length}"
     lines = [f"trace: {', '.join(f'{k} {v}' for k, v in steps.items())} (duration@requests/s, "
-             f"Poisson, open loop, seed {args.seed}); random prompts {args.random_input_len} "
-             f"in x ratio {args.random_range_ratio:g}, {args.random_output_len} out",
+             f"Poisson, open loop, seed {args.seed}); random prompts of "
+             f"{span(args.random_input_len)} tokens, {span(args.random_output_len)} out",
              f"model {args.model}; per worker: " + ", ".join(
                  f"{k} {t} thread(s) / {c:g} CPU" for k, (t, c) in shares.items())
              + f"; max_running_requests {args.max_running_requests}, max_queued_requests "
              f"{args.max_queued_requests} (503 beyond), max_total_tokens {args.max_total_tokens}"
-             "; router least_load",
-             "autoscaling: " + ", ".join(f"{k} {v:g}" for k, v in autoscaling_timing(args).items())
-             + f"; unified 1..2 at target_ongoing_requests {args.target_ongoing_requests:g}; "
-             f"pd prefill 1..2 and decode 1..2 at slo_ttft_s {args.slo_ttft_ms / 1000:g}, "
-             f"slo_tpot_s {args.slo_tpot_ms / 1000:g}"]
-    return "\n".join(lines)
+             "; router least_load"]
+    scaling = [", ".join(f"{k} {v:g}" for k, v in autoscaling_timing(args).items())]
+    if "unified" in kinds:
+        scaling.append(f"unified 1..2 at target_ongoing_requests {args.target_ongoing_requests:g}")
+    if "pd" in kinds:
+        scaling.append(f"pd prefill 1..2 and decode 1..2 at slo_ttft_s "
+                       f"{args.slo_ttft_ms / 1000:g}, slo_tpot_s {args.slo_tpot_ms / 1000:g}")
+    return "\n".join(lines + ["autoscaling: " + "; ".join(scaling)])
 
 
 def run_autoscale(args: argparse.Namespace) -> int:
@@ -195,7 +199,7 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=int, default=1, help="requests sent first, left out")
     g.add_argument("--slo-ttft-ms", type=float, default=2000.0,
                    help="TTFT SLO: the pd fleets' server.slo_ttft_s, and every fleet's goodput")
-    g.add_argument("--slo-tpot-ms", type=float, default=150.0,
+    g.add_argument("--slo-tpot-ms", type=float, default=100.0,
                    help="TPOT SLO: the pd fleets' server.slo_tpot_s, and every fleet's goodput")
     g.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a stream may stay silent before the request fails")
@@ -220,7 +224,7 @@ def add_parser(bench_subparsers) -> argparse.ArgumentParser:
     g.add_argument("--model", default="default", help="engine.model of every fleet")
     g.add_argument("--max-running-requests", type=int, default=16,
                    help="engine.max_running_requests: requests a worker decodes together")
-    g.add_argument("--max-queued-requests", type=int, default=16,
+    g.add_argument("--max-queued-requests", type=int, default=8,
                    help="server.max_queued_requests: past this many waiting, a worker "
                    "answers 503")
     g.add_argument("--max-total-tokens", type=int, default=32768, help="engine.max_total_tokens")

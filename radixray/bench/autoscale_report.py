@@ -72,7 +72,8 @@ def format_table(rows: list[dict]) -> str:
 
 def plot_autoscale(fleets: list[dict], path: str) -> str:
     """Write a PNG to ``path`` and return it: one column per pair (unified, pd); on top the
-    fleets' workers over time (current, solid; desired, dotted), below each request's TTFT
+    fleets' workers over time (starting or ready, solid; an autoscaled fleet's desired,
+    dotted, and ready, dashed), below each request's TTFT
     at its arrival time (log scale) with 503s as crosses along the top; the burst phase
     shaded."""
     import matplotlib
@@ -101,6 +102,10 @@ def plot_autoscale(fleets: list[dict], path: str) -> str:
             if s["decisions"]:
                 top.step(ts, [sum(x["desired"].values()) for x in line if x["current"]],
                          where="post", color=color, linestyle=":", label=f"{s['fleet']} desired")
+                ready = [x for x in line if x.get("states")]
+                top.step([x["t"] for x in ready], [x["states"].get("ready", 0) for x in ready],
+                         where="post", color=color, linestyle="--", alpha=0.6,
+                         label=f"{s['fleet']} ready")
             ok = [p for p in s["requests"] if p["ttft_s"]]
             bottom.plot([p["t"] for p in ok], [p["ttft_s"] for p in ok], ".", color=color,
                         alpha=0.6, label=f"{s['fleet']} TTFT")

@@ -3,7 +3,9 @@
 Each sample holds, per role, the autoscaler's ``radixray:autoscaling_current_workers``
 (workers starting or ready, not those draining away) and
 ``radixray:autoscaling_desired_workers``, and the ``radixray:autoscaling_decisions_total``
-counters by role and direction. A fixed fleet reports the same series (desired = current
+counters by role and direction. Beside them it keeps ``radixray:fleet_workers`` by state (starting, ready, draining, ...;
+all roles together), read live at each scrape: it shows when an added worker starts to
+serve and how long a drained one lingers. A fixed fleet reports the same series (desired = current
 = its workers, no decisions), so every radixray fleet reads alike; an autoscaled fleet
 sets them at each decision round, so they are absent until its first round.
 
@@ -20,17 +22,20 @@ from dataclasses import asdict, dataclass, field
 CURRENT = "radixray:autoscaling_current_workers"
 DESIRED = "radixray:autoscaling_desired_workers"
 DECISIONS = "radixray:autoscaling_decisions_total"
+STATES = "radixray:fleet_workers"
 
 
 @dataclass
 class FleetSample:
     """One scrape: ``t`` (seconds; the sampler's clock until :func:`shift` moves it),
-    workers per role, and the decision counters keyed ``"role:direction"``."""
+    workers per role, the decision counters keyed ``"role:direction"``, and the fleet's
+    workers by state."""
 
     t: float
     current: dict[str, float] = field(default_factory=dict)
     desired: dict[str, float] = field(default_factory=dict)
     decisions: dict[str, float] = field(default_factory=dict)
+    states: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -44,6 +49,8 @@ def parse_fleet_metrics(text: str, t: float = 0.0) -> FleetSample:
     sample = FleetSample(t)
     for family in text_string_to_metric_families(text):
         for s in family.samples:
+            if s.name == STATES and "state" in s.labels:
+                sample.states[s.labels["state"]] = s.value
             role = s.labels.get("role")
             if role is None:
                 continue
@@ -58,7 +65,8 @@ def parse_fleet_metrics(text: str, t: float = 0.0) -> FleetSample:
 
 def shift(samples: list[FleetSample], origin: float) -> list[FleetSample]:
     """The samples with ``t`` counted from ``origin`` (a run's start on the same clock)."""
-    return [FleetSample(s.t - origin, s.current, s.desired, s.decisions) for s in samples]
+    return [FleetSample(s.t - origin, s.current, s.desired, s.decisions, s.states)
+            for s in samples]
 
 
 def roles(samples: list[FleetSample]) -> list[str]:

@@ -9,6 +9,7 @@ import json
 import pytest
 from model_fixtures import byte_bpe_tokenizer
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from serving_helpers import uvicorn_in_thread
 
 from radixray.bench import autoscale, autoscale_report, fleet_sampler, load_steps, serve_client
@@ -138,7 +139,10 @@ def test_parse_real_prometheus_text():
     other = CollectorRegistry()  # another family on the same page is left alone
     Histogram("radixray:time_to_first_token_seconds", "TTFT", ["role"],
               registry=other).labels("prefill").observe(0.3)
-    text = _page(*scaler.families(), *other.collect())
+    states = GaugeMetricFamily("radixray:fleet_workers", "by state", labels=["state"])
+    for state, n in (("starting", 1), ("ready", 2), ("draining", 0)):
+        states.add_metric([state], n)
+    text = _page(*scaler.families(), *other.collect(), states)
     sample = fleet_sampler.parse_fleet_metrics(text, t=3.0)
     assert sample.t == 3.0
     assert sample.current == {"prefill": 2, "decode": 1}
@@ -151,6 +155,7 @@ def test_parse_real_prometheus_text():
     # an autoscaled fleet before its first round: decision counters, no worker gauges
     early = fleet_sampler.parse_fleet_metrics(_page(*AutoscalingMetrics(["unified"]).families()))
     assert early.current == {} and early.decisions == {"unified:up": 0, "unified:down": 0}
+    assert sample.states == {"starting": 1, "ready": 2, "draining": 0}
     assert fleet_sampler.parse_fleet_metrics("# nothing here\n").current == {}
 
 
@@ -280,7 +285,7 @@ def test_fleet_pairs_validate_and_differ_only_in_scaling(kind):
         assert (p.min_workers, p.max_workers, p.upscale_delay_s, p.downscale_delay_s) == \
                (1, 2, 5.0, 20.0)
     if kind == "pd":
-        assert configs[1].server.slo_ttft_s == 2.0 and configs[1].server.slo_tpot_s == 0.15
+        assert configs[1].server.slo_ttft_s == 2.0 and configs[1].server.slo_tpot_s == 0.1
 
 
 def test_autoscale_rejects_bad_flags_before_starting_anything(tmp_path, capsys):
@@ -294,7 +299,8 @@ def test_autoscale_rejects_bad_flags_before_starting_anything(tmp_path, capsys):
 def test_plot_of_two_fleets(tmp_path):
     def fleet(name, counts, outcomes):
         timeline = [{"t": t, "current": {"unified": n}, "desired": {"unified": n},
-                     "decisions": {}} for t, n in counts]
+                     "decisions": {}, "states": {"ready": min(n, 1 + (t > 4))}}
+                    for t, n in counts]
         requests = [{"t": float(i), "ttft_s": 0.2 * (i + 1) if o == "ok" else None,
                      "outcome": o} for i, o in enumerate(outcomes)]
         return {"fleet": name, "kind": "unified", "load_steps": "2s@1,4s@3",
@@ -308,3 +314,35 @@ def test_plot_of_two_fleets(tmp_path):
         str(tmp_path / "autoscale.png"))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_a_short_trace_against_a_fixed_fleet_of_a_tiny_model(tiny_llama_dir, tmp_path,
+                                                             monkeypatch):
+    """The whole path of one fleet: its config written, `radixray serve` started, the trace
+    run with /metrics sampled, the server stopped."""
+    import httpx
+    from serving_helpers import RAY_ENV
+
+    from radixray.bench import datasets
+    for key, value in RAY_ENV.items():
+        monkeypatch.setenv(key, value)
+    args = _autoscale_args("--model", tiny_llama_dir, "--tokenizer", tiny_llama_dir,
+                           "--load-steps", "3s@2", "--random-input-len", "16",
+                           "--random-output-len", "4", "--max-total-tokens", "4096",
+                           "--output-dir", str(tmp_path), "--startup-timeout", "600",
+                           "--disable-tqdm")
+    config = autoscale.fleet_configs(args, "unified")["unified-fixed"]
+    config["engine"]["dtype"] = "float32"
+    summary = autoscale.run_fleet("unified-fixed", config, args.load_steps, args,
+                                  datasets.load_tokenizer(tiny_llama_dir))
+    assert summary["num_requests"] == len(load_steps.step_arrivals(args.load_steps, 1)) > 0
+    assert summary["completed"] == summary["num_requests"]
+    assert summary["max_workers"] == 1 and summary["decisions"] == {"unified:up": 0,
+                                                                    "unified:down": 0}
+    assert summary["worker_seconds"] == pytest.approx(summary["trace_s"])
+    assert summary["metrics_scrape_failures"] == 0
+    assert all(s["states"].get("ready") == 1 for s in summary["fleet_timeline"])
+    assert (tmp_path / "unified-fixed.yaml").exists() and summary["startup_s"] > 0
+    with pytest.raises(httpx.ConnectError):  # stopped
+        httpx.get(f"{summary['url']}/health", timeout=5)
