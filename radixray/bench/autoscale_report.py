@@ -99,7 +99,7 @@ def plot_autoscale(fleets: list[dict], path: str) -> str:
             ts = [x["t"] for x in line if x["current"]]
             top.step(ts, [sum(x["current"].values()) for x in line if x["current"]],
                      where="post", color=color, label=f"{s['fleet']} workers")
-            if s["decisions"]:
+            if any(s["decisions"].values()):  # a fleet that scaled: desired and ready too
                 top.step(ts, [sum(x["desired"].values()) for x in line if x["current"]],
                          where="post", color=color, linestyle=":", label=f"{s['fleet']} desired")
                 ready = [x for x in line if x.get("states")]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import re
 import time
@@ -163,9 +164,10 @@ def format_phases(summary: dict) -> str:
 
 def check_trace_args(args: argparse.Namespace) -> None:
     """ValueError naming the flags when ``--load-steps`` meets flags it does not run with."""
-    clash = [flag for flag, given in (("--sweep", args.sweep), ("--max-concurrency",
-             getattr(args, "max_concurrency", None)), ("--router-policy",
-             getattr(args, "router_policy", None))) if given]
+    clash = [flag for flag, given in (
+        ("--sweep", args.sweep), ("--max-concurrency", getattr(args, "max_concurrency", None)),
+        ("--router-policy", getattr(args, "router_policy", None)),
+        ("--request-rate", math.isfinite(getattr(args, "request_rate", math.inf)))) if given]
     if clash:
         raise ValueError(f"--load-steps sets the arrivals itself; leave out {', '.join(clash)}")
     if args.dataset != "random":
@@ -173,17 +175,15 @@ def check_trace_args(args: argparse.Namespace) -> None:
 
 
 def run_steps(args: argparse.Namespace, label: str, url: str, model: str, tokenizer, *,
-              jsonl=None, sample_interval_s: float = 1.0, slo_ttft_ms: float | None = None,
-              slo_tpot_ms: float | None = None) -> dict:
+              jsonl=None, sample_interval_s: float = 1.0) -> dict:
     """Run ``args.load_steps`` against ``url`` with /metrics sampled every
     ``sample_interval_s``; return the whole run's summary with ``phases``, the fleet's
     accounting (:func:`fleet_fields`) and ``requests`` (:func:`request_points`), after
     printing the phase table. ``trace_s``: the trace's length, or the time to the last
-    reply when later. The SLOs default to ``--slo-ttft-ms`` / ``--slo-tpot-ms``."""
+    reply when later. Goodput counts ``--slo-ttft-ms`` / ``--slo-tpot-ms``."""
     check_trace_args(args)
     steps = args.load_steps
-    slo_ttft_ms = slo_ttft_ms if slo_ttft_ms is not None else args.slo_ttft_ms
-    slo_tpot_ms = slo_tpot_ms if slo_tpot_ms is not None else args.slo_tpot_ms
+    slo_ttft_ms, slo_tpot_ms = args.slo_ttft_ms, args.slo_tpot_ms
     arrivals = step_arrivals(steps, args.seed)
     built = datasets.build_random(tokenizer, len(arrivals) + args.warmup, args.random_input_len,
                                   args.random_output_len, args.random_range_ratio, args.seed)

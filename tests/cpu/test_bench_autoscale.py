@@ -250,11 +250,15 @@ def test_a_trace_against_a_fleet_splits_phases_and_counts_worker_seconds(fake_fl
     assert "burst p99 TTFT s" in autoscale_report.format_table(rows)
 
 
-def test_load_steps_refuses_a_sweep(capsys):
-    args = _serve_args("--load-steps", "1s@1", "--sweep", "1,2", "--base-url",
-                       "http://127.0.0.1:9")
+def test_load_steps_refuses_a_sweep_and_a_rate(capsys):
+    args = _serve_args("--load-steps", "1s@1", "--sweep", "1,2", "--request-rate", "3",
+                       "--base-url", "http://127.0.0.1:9")
     assert serve_client.run_serve_bench(args) == 2
-    assert "--load-steps sets the arrivals itself; leave out --sweep" in capsys.readouterr().err
+    assert "--load-steps sets the arrivals itself; leave out --sweep, --request-rate" in \
+        capsys.readouterr().err
+    args = _serve_args("--load-steps", "1s@1", "--dataset", "multi-turn")
+    assert serve_client.run_serve_bench(args) == 2
+    assert "--load-steps runs the random dataset" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- bench autoscale
