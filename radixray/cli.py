@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     off.add_argument("--output", default=None, help="write results as JSON here")
     off.set_defaults(func=cmd_bench_offline)
     from radixray.bench import (
+        autoscale,
         cache_experiment,
         compare,
         default_quality,
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     serve_client.add_parser(bench_sub)
     compare.add_parser(bench_sub)
+    autoscale.add_parser(bench_sub)
     kernels.add_parser(bench_sub)
     kv_transfer.add_parser(bench_sub)
     cache_experiment.add_parser(bench_sub)

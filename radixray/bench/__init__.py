@@ -9,6 +9,18 @@ def save_json(results, path: str | None) -> None:
             json.dump(results, f, indent=2)
 
 
+def json_safe(obj):
+    """``obj`` with non-finite floats as strings ("inf"), so the JSON is standard."""
+    import math
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def random_token_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     """``n`` prompts of exactly ``length`` token ids drawn from [100, vocab) (past the
     special tokens), reproducible from ``seed``."""

@@ -24,13 +24,12 @@ import random
 import statistics
 import sys
 
-from radixray.bench import datasets
-from radixray.bench.serve_client import (
+from radixray.bench import datasets, json_safe
+from radixray.bench.stream_client import (
     ENDPOINTS,
     ServerUnreachable,
     StreamOutcome,
     get_model_id,
-    json_safe,
     request_body,
     stream_request,
 )

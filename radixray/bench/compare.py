@@ -1,6 +1,6 @@
 """``radixray bench compare``: one serving sweep against radixray, then against llama-server.
 
-The same client (:mod:`radixray.bench.serve_client`), the same seeded prompts and
+The same client (:mod:`radixray.bench.stream_client`), the same seeded prompts and
 the same metrics for both servers, one after the other, each alone on the
 machine; then one table (output tok/s per concurrency, p50 TPOT, p50 TTFT, max
 ITL, and the ratios radixray / llama-server) with the host's CPU and flags, the
@@ -31,19 +31,16 @@ import shlex
 import shutil
 import sys
 
-from radixray.bench import datasets, launch
+from radixray.bench import datasets, json_safe, launch
 from radixray.bench.compare_report import comparison, git_commit, host_info, markdown_report
-from radixray.bench.serve_client import (
+from radixray.bench.serve_client import add_workload_args, run_sweep, sweep_points
+from radixray.bench.stream_client import (
     ENDPOINTS,
     ServerUnreachable,
-    add_workload_args,
     build_prompt,
     get_model_id,
-    json_safe,
     request_body,
-    run_sweep,
     stream_request,
-    sweep_points,
 )
 
 RADIXRAY, LLAMA = "radixray", "llama-server"

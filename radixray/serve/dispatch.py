@@ -72,7 +72,9 @@ def outcome_of(update: RequestUpdate, worker: str, outcome: bool | None) -> bool
 
 
 async def close_all(streams: list[AsyncIterator]) -> None:
-    """Close update iterators; an unfinished one aborts its request on the worker."""
+    """Close update iterators; an unfinished one that was read from aborts its request on
+    the worker. One never read does not (closing an unstarted generator runs none of its
+    code): abort such requests on their worker explicitly."""
     for s in streams:
         try:
             await s.aclose()

@@ -91,8 +91,10 @@ class PDDispatcher(Dispatcher):
                 if isinstance(x, BaseException):
                     bad = isinstance(x, WorkerUnavailable)
                     self.router.release(w, False if bad else None)
-                else:
+                else:  # accepted: the room it reserved must go too. Its streams were never
+                    # read, and closing an unstarted generator runs none of its code (no abort)
                     await close_all(x)
+                    (await self.client(w)).abort([r.rid for r in requests])
                     self.router.release(w, None)
             worker, exc = failed[0]
             if isinstance(exc, ValueError) or not isinstance(exc, (WorkerDraining,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from model_fixtures import byte_bpe_tokenizer
 
-from radixray.bench import cache_experiment, datasets, serve_client
+from radixray.bench import cache_experiment, datasets, serve_client, stream_client
 from radixray.bench.serve_metrics import (
     RequestRecord,
     format_summary,
@@ -119,19 +119,19 @@ def test_knee_rule():
 
 
 def test_poisson_arrivals_seeded():
-    assert serve_client.arrival_offsets(3, float("inf"), 1) == [0.0, 0.0, 0.0]
-    a = serve_client.arrival_offsets(2000, 10.0, 7)
-    assert a == serve_client.arrival_offsets(2000, 10.0, 7) and a[0] == 0.0
+    assert stream_client.arrival_offsets(3, float("inf"), 1) == [0.0, 0.0, 0.0]
+    a = stream_client.arrival_offsets(2000, 10.0, 7)
+    assert a == stream_client.arrival_offsets(2000, 10.0, 7) and a[0] == 0.0
     assert np.mean(np.diff(a)) == pytest.approx(0.1, rel=0.1)
 
 
 def test_request_body_and_flags():
     args = bench_args("serve", "--no-ignore-eos", "--api", "chat", "--sweep", "1,4")
     assert args.ignore_eos is False and args.sweep == [1, 4] and args.request_rate == float("inf")
-    body = serve_client.request_body("chat", "m", [{"role": "user", "content": "hi"}], 7,
+    body = stream_client.request_body("chat", "m", [{"role": "user", "content": "hi"}], 7,
                                      ignore_eos=args.ignore_eos)
     assert "ignore_eos" not in body and body["stream_options"] == {"include_usage": True}
-    assert serve_client.request_body("completions", "m", "hi", 7)["ignore_eos"] is True
+    assert stream_client.request_body("completions", "m", "hi", 7)["ignore_eos"] is True
     with pytest.raises(SystemExit):
         bench_args("serve", "--target", "no-url-here")
 
@@ -173,8 +173,8 @@ def test_shared_prefix_groups(tok):
     assert len({i.turns[0] for i in items}) == 12
     assert all(datasets.count_tokens(tok, i.system) == 40 for i in items)
     item = items[0]
-    assert serve_client.build_prompt("completions", item, 0, []) == item.system + item.turns[0]
-    msgs = serve_client.build_prompt("chat", item, 0, [])
+    assert stream_client.build_prompt("completions", item, 0, []) == item.system + item.turns[0]
+    msgs = stream_client.build_prompt("chat", item, 0, [])
     assert [m["role"] for m in msgs] == ["system", "user"] and msgs[0]["content"] == item.system
     ordered = datasets.build_shared_prefix(tok, 3, 4, 40, 8, 6, seed=2, shuffle=False)
     assert [i.group for i in ordered] == sorted(i.group for i in ordered)
@@ -184,10 +184,10 @@ def test_multi_turn_history_grows(tok):
     (conv,) = datasets.build_multi_turn(tok, users=1, turns=3, turn_len=10, output_len=4, seed=1)
     assert conv.session_id == "user-0" and conv.turn_lens == [10, 10, 10]
     replies = ["reply one", "reply two"]
-    texts = [serve_client.build_prompt("completions", conv, k, replies[:k]) for k in range(3)]
+    texts = [stream_client.build_prompt("completions", conv, k, replies[:k]) for k in range(3)]
     for k in range(1, 3):
         assert texts[k].startswith(texts[k - 1] + replies[k - 1]) and texts[k].endswith(conv.turns[k])
-    msgs = serve_client.build_prompt("chat", conv, 2, replies)
+    msgs = stream_client.build_prompt("chat", conv, 2, replies)
     assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant", "user"]
     assert [m["content"] for m in msgs[1::2]] == replies
 
@@ -300,10 +300,10 @@ def test_runner_counts_failures_and_times(fake, tok):
     for marker in (FAIL_MARKER, STREAM_ERROR_MARKER, NO_USAGE_MARKER):
         items.append(datasets.Conversation(index=len(items), turns=[marker + " please"],
                                            output_len=5, prompt_len=3))
-    cfg = serve_client.RunConfig(base_url=fake.url, model="fake-model", label="fake",
+    cfg = stream_client.RunConfig(base_url=fake.url, model="fake-model", label="fake",
                                  max_concurrency=3, warmup=1, progress=False)
     count = lambda text: datasets.count_tokens(tok, text)  # noqa: E731
-    records, duration = asyncio.run(serve_client.run_benchmark(cfg, items, count))
+    records, duration = asyncio.run(stream_client.run_benchmark(cfg, items, count))
 
     assert len(fake.log) == 1 + len(items)   # one warm-up request, then every item once
     assert all(e["body"]["ignore_eos"] is True and e["body"]["stream"] for e in fake.log)
@@ -330,9 +330,9 @@ def test_runner_counts_failures_and_times(fake, tok):
 def test_multi_turn_chat_carries_history_and_session(fake, tok):
     fake.reset()
     convs = datasets.build_multi_turn(tok, users=3, turns=3, turn_len=8, output_len=4, seed=1)
-    cfg = serve_client.RunConfig(base_url=fake.url, model="fake-model", api="chat",
+    cfg = stream_client.RunConfig(base_url=fake.url, model="fake-model", api="chat",
                                  max_concurrency=2, warmup=0, progress=False)
-    records, _ = asyncio.run(serve_client.run_benchmark(cfg, convs, lambda t: len(t)))
+    records, _ = asyncio.run(stream_client.run_benchmark(cfg, convs, lambda t: len(t)))
     assert len(records) == 9 and all(r.success for r in records)
     assert [(r.session_id, r.turn) for r in records] == [(f"user-{u}", k) for u in range(3) for k in range(3)]
     for u, conv in enumerate(convs):
@@ -411,9 +411,9 @@ def test_multi_turn_think_time_is_seeded_and_waited(fake, tok):
                                       think_time=0.2)
     assert [c.think_times for c in convs] == [c.think_times for c in again]
     assert all(len(c.think_times) == 2 and all(t > 0 for t in c.think_times) for c in convs)
-    cfg = serve_client.RunConfig(base_url=fake.url, model="fake-model", api="chat", warmup=0,
+    cfg = stream_client.RunConfig(base_url=fake.url, model="fake-model", api="chat", warmup=0,
                                  progress=False)
-    records, duration = asyncio.run(serve_client.run_benchmark(cfg, convs, lambda t: len(t)))
+    records, duration = asyncio.run(stream_client.run_benchmark(cfg, convs, lambda t: len(t)))
     assert all(r.success for r in records)
     assert duration >= max(sum(c.think_times) for c in convs)
     assert datasets.build_multi_turn(tok, users=1, turns=2, turn_len=4,
