@@ -7,7 +7,8 @@ from __future__ import annotations
 COLUMNS = (("fleet", "fleet"), ("burst p99 TTFT s", "burst_p99_ttft_s"),
            ("burst 503s", "burst_503"), ("burst SLO met", "burst_slo_met"),
            ("other failures", "other_failures"), ("out tok/s", "output_tok_s"),
-           ("worker-s", "worker_seconds"), ("max workers", "max_workers"),
+           ("worker-s", "worker_seconds"), ("held worker-s", "worker_seconds_held"),
+           ("max workers", "max_workers"),
            ("up/down", "decisions"))
 
 
@@ -46,7 +47,9 @@ def table_rows(fleets: list[dict]) -> list[dict]:
                      "other_failures": sum(p["other_failures"] for p in s["phases"]),
                      "rejected_503": sum(p["rejected_503"] for p in s["phases"]),
                      "output_tok_s": s["output_throughput"],
-                     "worker_seconds": s["worker_seconds"], "max_workers": _max_workers(s),
+                     "worker_seconds": s["worker_seconds"],
+                     "worker_seconds_held": s.get("worker_seconds_held"),
+                     "max_workers": _max_workers(s),
                      "decisions": f"{ups}/{downs}" if s["decisions"] else None})
     return rows
 
@@ -58,7 +61,7 @@ def _cell(key: str, value) -> str:
         return f"{100 * value:.0f}%"
     if key in ("burst_p99_ttft_s", "output_tok_s"):
         return f"{value:.2f}" if key == "burst_p99_ttft_s" else f"{value:.1f}"
-    if key == "worker_seconds":
+    if key in ("worker_seconds", "worker_seconds_held"):
         return f"{value:.0f}"
     return str(value)
 

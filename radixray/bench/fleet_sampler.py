@@ -95,6 +95,18 @@ def worker_seconds(samples: list[FleetSample], start: float, end: float) -> dict
     return out
 
 
+HELD_STATES = ("starting", "ready", "draining")  # states in which a worker holds its resources
+
+
+def held_worker_seconds(samples: list[FleetSample], start: float, end: float) -> float | None:
+    """The integral over ``[start, end]`` of the workers holding a placement (starting,
+    ready or draining, every role: ``radixray:fleet_workers``), so unlike
+    :func:`worker_seconds` a worker counts until its drain ends; None without state series."""
+    held = [FleetSample(s.t, {"held": sum(s.states.get(k, 0.0) for k in HELD_STATES)})
+            for s in samples if s.states]
+    return worker_seconds(held, start, end).get("held")
+
+
 def max_workers(samples: list[FleetSample], start: float = float("-inf"),
                 end: float = float("inf")) -> dict[str, int]:
     """Per role, the most workers it had at any time in ``[start, end]`` (the count holding

@@ -125,6 +125,7 @@ def fleet_fields(samples: list[fleet_sampler.FleetSample], phases: list[dict],
                                                              phase["end_s"])
     peak = fleet_sampler.max_workers(samples, 0.0, end)
     return {"worker_seconds": sum(ws.values()) if ws else None,
+            "worker_seconds_held": fleet_sampler.held_worker_seconds(samples, 0.0, end),
             "worker_seconds_by_role": ws, "max_workers": peak.get("total"),
             "max_workers_by_role": {k: v for k, v in peak.items() if k != "total"},
             "decisions": fleet_sampler.decisions_between(samples, 0.0, end),

@@ -122,6 +122,18 @@ def test_worker_seconds_integrate_a_step_function():
     assert fleet_sampler.worker_seconds([], 0, 10) == {}
 
 
+def test_held_worker_seconds_count_a_worker_until_its_drain_ends():
+    """The autoscaler's count drops a worker when its drain starts; the held count keeps it
+    (starting, ready and draining all hold a placement) until it is gone."""
+    states = [FleetSample(0, {"unified": 1}, states={"ready": 1}),
+              FleetSample(10, {"unified": 2}, states={"ready": 1, "starting": 1}),
+              FleetSample(20, {"unified": 1}, states={"ready": 1, "draining": 1}),
+              FleetSample(30, {"unified": 1}, states={"ready": 1, "dead": 1})]
+    assert fleet_sampler.worker_seconds(states, 0, 40) == {"unified": 10 + 20 + 10 + 10}
+    assert fleet_sampler.held_worker_seconds(states, 0, 40) == 10 + 20 + 20 + 10
+    assert fleet_sampler.held_worker_seconds([FleetSample(0, {"unified": 1})], 0, 5) is None
+
+
 def _page(*families) -> str:
     class Fixed:
         def collect(self):

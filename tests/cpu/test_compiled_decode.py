@@ -112,6 +112,8 @@ def test_what_compiled_decode_does_not_cover_is_named(tiny_llama_dir):
     assert "off" in compile_unavailable(Runner, EngineConfig())
     assert "deterministic" in compile_unavailable(
         Runner, EngineConfig(enable_torch_compile=True, deterministic=True))
+    assert "prefill worker" in compile_unavailable(
+        Runner, EngineConfig(enable_torch_compile=True, disaggregation_mode="prefill"))
     Runner.routes_experts = True
     assert "mixture-of-experts" in compile_unavailable(Runner, EngineConfig(
         enable_torch_compile=True))

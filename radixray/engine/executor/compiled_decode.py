@@ -47,6 +47,8 @@ def compile_unavailable(runner, config) -> str | None:
         return "off (enable_torch_compile unset: on only with the fast CPU precision)"
     if not config.enable_torch_compile:
         return "off (enable_torch_compile=false)"
+    if config.disaggregation_mode == "prefill":
+        return "a prefill worker runs no decode step"
     if str(runner.device) != "cpu":
         return f"device {runner.device}: CUDA decode uses CUDA graphs instead"
     if runner.attn_backend.name != "cpu_paged":
