@@ -10,6 +10,7 @@ The non-streaming handler returns a dict; the streaming one an async iterator of
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator
 
@@ -17,6 +18,7 @@ from radixray.engine.request_ids import choice_rids, new_rid
 from radixray.serve.chat_output import ChoiceOutput, chat_finish_reason
 from radixray.serve.chat_parsers import ChatPlan, plan
 from radixray.serve.chat_template import render
+from radixray.serve.closing_stream import ClosingStream, discard_all
 from radixray.serve.frontend import Choice, Frontend
 from radixray.serve.openai_serving import (
     SSE_DONE,
@@ -49,7 +51,8 @@ async def chat_completion(fe: Frontend, req: ChatCompletionRequest, session_id: 
                                       route_text=text, session_id=session_id, lora_path=adapter)
     rid = f"chatcmpl-{base}"
     if req.stream:
-        return _chat_stream(fe, req, chat, rid, choices, streams)
+        return ClosingStream(_chat_stream(fe, req, chat, rid, choices, streams),
+                             functools.partial(discard_all, streams))
     await fe.complete(choices, streams)
     out = []
     for c in choices:

@@ -25,6 +25,7 @@ that went away counts as neither).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import defaultdict
 from collections.abc import AsyncIterator
@@ -35,6 +36,7 @@ from radixray.cluster.router_client import RouterClient
 from radixray.cluster.routing import NoWorkerAvailable
 from radixray.engine.faults import BATCH_FAULT_STATUS
 from radixray.engine.messages import RequestUpdate
+from radixray.serve.closing_stream import ClosingStream, discard_all
 from radixray.serve.worker_client import WorkerClient, refuse_rids_in_flight
 
 logger = logging.getLogger("radixray.ingress")
@@ -72,14 +74,20 @@ def outcome_of(update: RequestUpdate, worker: str, outcome: bool | None) -> bool
 
 
 async def close_all(streams: list[AsyncIterator]) -> None:
-    """Close update iterators; an unfinished one that was read from aborts its request on
-    the worker. One never read does not (closing an unstarted generator runs none of its
-    code): abort such requests on their worker explicitly."""
+    """Close update iterators; an unfinished one aborts its request on the worker, read
+    from or not (serve/closing_stream.py)."""
     for s in streams:
         try:
             await s.aclose()
         except Exception:  # noqa: BLE001 - closing must not mask the original error
             pass
+
+
+def _give_back(lease: Lease, stream) -> None:
+    """An unread request's cleanup: its share of the router pick back, its worker stream
+    given up (which aborts it there)."""
+    lease.done(None)
+    discard_all([stream])
 
 
 class Lease:
@@ -149,7 +157,8 @@ class Dispatcher:
         tried: set[str] = set()
         worker, streams, attempts = await self._place(requests, route_text, session_id, tried, 0)
         lease = Lease(self.router, worker, len(requests))
-        return [self._follow(r, s, lease, route_text, session_id, tried, attempts)
+        return [ClosingStream(self._follow(r, s, lease, route_text, session_id, tried, attempts),
+                              functools.partial(_give_back, lease, s))
                 for r, s in zip(requests, streams)]
 
     async def _place(self, requests, route_text, session_id, tried: set[str], attempts: int):

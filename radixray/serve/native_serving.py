@@ -6,11 +6,13 @@ generated so far (not deltas), ending with ``data: [DONE]``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 
 from radixray.engine.inputs import to_sampling_params
 from radixray.engine.request_ids import new_rid
 from radixray.serve.api_error import ApiError
+from radixray.serve.closing_stream import ClosingStream, discard_all
 from radixray.serve.frontend import Choice, Frontend
 from radixray.serve.openai_serving import SSE_DONE, sse
 from radixray.serve.protocol import GenerateRequest
@@ -121,7 +123,8 @@ async def generate(fe: Frontend, req: GenerateRequest, session_id: str | None = 
                                       route_text=text, session_id=session_id,
                                       lora_path=await _adapters(fe, req, len(prompts)))
     if req.stream:
-        return _stream(fe, req, choices, streams)
+        return ClosingStream(_stream(fe, req, choices, streams),
+                             functools.partial(discard_all, streams))
     await fe.complete(choices, streams)
     results = [_result(fe, c, req) for c in choices]
     return results if is_batch else results[0]

@@ -7,12 +7,14 @@ iterator of SSE lines (``data: {...}\\n\\n`` ... ``data: [DONE]\\n\\n``).
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import AsyncIterator
 
 from radixray.engine.request_ids import choice_rids, new_rid
 from radixray.serve.api_error import ApiError
+from radixray.serve.closing_stream import ClosingStream, discard_all
 from radixray.serve.frontend import Choice, Frontend
 from radixray.serve.protocol import CompletionRequest
 
@@ -163,7 +165,8 @@ async def completion(fe: Frontend, req: CompletionRequest, session_id: str | Non
                                       route_text=text, session_id=session_id, lora_path=adapter)
     rid = f"cmpl-{base}"
     if req.stream:
-        return _completion_stream(fe, req, rid, choices, streams, echo_of)
+        return ClosingStream(_completion_stream(fe, req, rid, choices, streams, echo_of),
+                             functools.partial(discard_all, streams))
     await fe.complete(choices, streams)
     out = [{"index": c.index, "text": echo_of(c) + c.text, "finish_reason": finish_reason(c),
             "matched_stop": matched_stop(c), "logprobs": None if req.logprobs is None else

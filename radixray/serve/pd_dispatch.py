@@ -18,6 +18,7 @@ streamed are never retried. Every pick is released once per worker with its outc
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 from collections.abc import AsyncIterator
@@ -28,6 +29,7 @@ from radixray.cluster.messages import SubmitRequest
 from radixray.cluster.routing import NoWorkerAvailable
 from radixray.engine.disaggregation.messages import MAX_ROOM, PDBootstrap
 from radixray.engine.messages import RequestUpdate
+from radixray.serve.closing_stream import ClosingStream, discard_all
 from radixray.serve.dispatch import (
     Dispatcher,
     Lease,
@@ -61,7 +63,8 @@ class PDDispatcher(Dispatcher):
         refuse_rids_in_flight(requests, self.clients.values())
         tried: set[str] = set()
         placed, errors = await self._place_pair(requests, route_text, session_id, tried, [])
-        return [self._follow_pair(r, placed, i, route_text, session_id, tried, errors)
+        return [ClosingStream(self._follow_pair(r, placed, i, route_text, session_id, tried,
+                                                errors), functools.partial(_give_back, placed, i))
                 for i, r in enumerate(requests)]
 
     async def _place_pair(self, requests, route_text, session_id, tried: set[str],
@@ -91,10 +94,8 @@ class PDDispatcher(Dispatcher):
                 if isinstance(x, BaseException):
                     bad = isinstance(x, WorkerUnavailable)
                     self.router.release(w, False if bad else None)
-                else:  # accepted: the room it reserved must go too. Its streams were never
-                    # read, and closing an unstarted generator runs none of its code (no abort)
+                else:  # accepted: closing its unread streams aborts them (the room too)
                     await close_all(x)
-                    (await self.client(w)).abort([r.rid for r in requests])
                     self.router.release(w, None)
             worker, exc = failed[0]
             if isinstance(exc, ValueError) or not isinstance(exc, (WorkerDraining,
@@ -173,6 +174,14 @@ class PDDispatcher(Dispatcher):
                 yield RequestUpdate.failure(request.rid, str(exc) if isinstance(
                     exc, WorkerUnavailable) else self._summary(errors + [str(exc)]), 503)
                 return
+
+
+def _give_back(placed: _Placed, i: int) -> None:
+    """Request ``i`` of a pair given up unread: both leases' shares back, both sides'
+    streams given up (which aborts it on each worker)."""
+    placed.p_lease.done(None)
+    placed.d_lease.done(None)
+    discard_all([placed.p_streams[i], placed.d_streams[i]])
 
 
 async def _prefill_end(queue: asyncio.Queue, timeout: float) -> bool | None:

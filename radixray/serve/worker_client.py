@@ -3,12 +3,14 @@
 One :class:`WorkerClient` per (ingress replica, worker): a background task reads
 the worker's step messages and routes each update to the queue of its request.
 :meth:`WorkerClient.run` is the per-request view: submit, yield updates until
-the request finishes, abort it if the caller stops listening first.
+the request finishes, abort it if the caller stops listening first (or never starts:
+serve/closing_stream.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -17,6 +19,7 @@ from radixray.cluster.errors import WorkerUnavailable, unwrap_ray_error
 from radixray.cluster.messages import ChannelState, SubmitRequest
 from radixray.engine.messages import RequestUpdate
 from radixray.serve.api_error import ApiError
+from radixray.serve.closing_stream import ClosingStream
 
 logger = logging.getLogger("radixray.ingress")
 
@@ -90,7 +93,8 @@ class WorkerClient:
             for r in requests:
                 self._queues.pop(r.rid, None)
             raise unwrap_ray_error(exc) from None
-        return [self._follow(r.rid, q) for r, q in zip(requests, queues)]
+        return [ClosingStream(self._follow(r.rid, q), functools.partial(self._drop, r.rid))
+                for r, q in zip(requests, queues)]
 
     def follows(self, rid: str) -> bool:
         """Whether a request ``rid`` of this channel is still in flight."""
@@ -107,6 +111,11 @@ class WorkerClient:
             self._queues.pop(rid, None)
             if not finished:
                 self.abort([rid])
+
+    def _drop(self, rid: str) -> None:
+        """A request whose stream was given up unread: stop following it, abort it."""
+        if self._queues.pop(rid, None) is not None:
+            self.abort([rid])
 
     def abort(self, rids: list[str]) -> None:
         """Fire-and-forget abort (the caller went away)."""
