@@ -267,7 +267,8 @@ def test_an_unreachable_controller_is_a_503_naming_the_restart():
     assert err.headers["Retry-After"] == "2"
 
 
-def test_streams_given_up_unread_abort_their_requests_and_release_the_router():
+@pytest.mark.parametrize("how", ["closed", "dropped", "body closed"])
+def test_streams_given_up_unread_abort_their_requests_and_release_the_router(how):
     """Closing an async generator before its first read runs none of its code: a client
     gone before the first read (or a pair whose other side refused) must still abort its
     requests on the worker and give the router its pick back, whether the streams are
@@ -277,28 +278,27 @@ def test_streams_given_up_unread_abort_their_requests_and_release_the_router():
     from radixray.serve.closing_stream import ClosingStream, discard_all
     from radixray.serve.dispatch import close_all
 
-    for how in ("closed", "dropped", "body closed"):
-        worker = FakeWorker()  # never answers: the requests stay in flight
-        fe, router = _frontend(worker)
+    worker = FakeWorker()  # never answers: the requests stay in flight
+    fe, router = _frontend(worker)
 
-        async def main():
-            await fe.dispatcher.start()
-            _, streams = await fe.start([[1, 2, 3], [4, 5]], [{"max_new_tokens": 4}] * 2)
-            if how == "closed":
-                await close_all(streams)
-            elif how == "body closed":  # a response cancelled before its first chunk
-                async def body():
-                    async for _ in streams[0]:
-                        yield "chunk"
-                await ClosingStream(body(), lambda: discard_all(streams)).aclose()
-            else:
-                del streams
-                gc.collect()
-        asyncio.run(main())
-        rids = sorted(r.rid for r in worker.submitted)
-        assert sorted(rid for call in worker.aborted for rid in call) == rids, how
-        assert fe.dispatcher.clients["w0"]._queues == {}, how
-        assert router.released == [("w0", None)], how  # one pick for both, given back once
+    async def main():
+        await fe.dispatcher.start()
+        _, streams = await fe.start([[1, 2, 3], [4, 5]], [{"max_new_tokens": 4}] * 2)
+        if how == "closed":
+            await close_all(streams)
+        elif how == "body closed":  # a response cancelled before its first chunk
+            async def body():
+                async for _ in streams[0]:
+                    yield "chunk"
+            await ClosingStream(body(), lambda: discard_all(streams)).aclose()
+        else:
+            del streams
+            gc.collect()
+    asyncio.run(main())
+    rids = sorted(r.rid for r in worker.submitted)
+    assert sorted(rid for call in worker.aborted for rid in call) == rids, how
+    assert fe.dispatcher.clients["w0"]._queues == {}, how
+    assert router.released == [("w0", None)], how  # one pick for both, given back once
 
 
 def test_a_stream_read_from_cleans_up_through_its_own_generator():
