@@ -9,6 +9,14 @@ A batch mixes requests of several adapters and of none. Row ``t`` uses the adapt
 :func:`lora_add_reference` computes it row by row (the reference); :func:`lora_add` groups
 the rows by slot once per batch (:class:`LoraRows`) and runs two GEMMs per distinct adapter,
 so its cost grows with the number of adapters in the batch, not the number of rows.
+
+:func:`lora_add_stacked` is the decode form: no Python per adapter and no data-dependent
+shapes, so torch.compile traces it (engine/executor/compiled_decode.py). It runs every row
+through every slot in use, the first ``n`` (one GEMM for the shrink, one batched GEMM for
+the expand), and a per-batch matrix :func:`row_slot_scales` ``[T, n]`` (row ``t``'s scaling
+in its own slot's column, 0 elsewhere) keeps only each row's own adapter. Its cost is the
+rows times every slot below the highest in use, so it suits decode batches (few rows);
+extend batches keep the grouped :func:`lora_add`.
 """
 
 from __future__ import annotations
@@ -50,6 +58,37 @@ def lora_add(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
             delta = (x.index_select(0, idx) @ a[slot].T) @ b[slot].T
             base.index_add_(0, idx, delta.to(base.dtype), alpha=scale)
     return base
+
+
+def row_slot_scales(row_slots: torch.Tensor, scalings: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """``[T, n]`` in ``dtype``: ``scalings[row_slots[t]]`` at ``(t, row_slots[t])``, 0 elsewhere
+    (a row of zeros where ``row_slots[t]`` is -1); ``n`` is the highest slot of ``row_slots``
+    plus one (at least 1). Built once per batch, eagerly; :func:`lora_add_stacked` reads it."""
+    n = max(int(row_slots.max()) + 1, 1) if row_slots.numel() else 1
+    scales = torch.zeros(row_slots.numel(), n, dtype=dtype, device=row_slots.device)
+    rows = (row_slots >= 0).nonzero().flatten()
+    slots = row_slots[rows]
+    scales[rows, slots] = scalings.to(row_slots.device)[slots].to(dtype)
+    return scales
+
+
+def lora_add_stacked(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                     scales: torch.Tensor) -> torch.Tensor:
+    """:func:`lora_add` for few rows, traceable: ``base`` ``[T, out]`` plus ``sum_s scales[t, s] *
+    (x[t] @ a[s].T) @ b[s].T`` over the first ``n = scales.shape[1]`` slots of ``a`` ``[slots, r,
+    in]`` (contiguous) and ``b`` ``[slots, out, r]``; ``scales`` from :func:`row_slot_scales`.
+    Adds into ``base`` in place and returns it. The weights are read through views, never
+    copied."""
+    rows, n = scales.shape
+    if rows == 1:  # inductor lowers a one-row CPU bmm to mul+sum (another summation order
+        x, scales = x.expand(2, -1), scales.expand(2, -1)  # than eager's); two keep aten's
+    a, b = a[:n], b[:n]
+    r = a.shape[1]
+    shrink = x @ a.reshape(n * r, a.shape[2]).T  # [T, n*r]: every slot's shrink in one GEMM
+    shrink = shrink.view(-1, n, r) * scales.unsqueeze(-1)
+    delta = torch.bmm(shrink.transpose(0, 1), b.transpose(1, 2))  # [n, T, out]
+    return base.add_(delta.sum(0)[:rows].to(base.dtype))
 
 
 def lora_add_reference(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
