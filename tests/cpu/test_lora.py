@@ -3,7 +3,7 @@
 Greedy tokens of each adapter equal Hugging Face's with the adapter merged into the weights
 (peft's merge_and_unload), with requests of both adapters and of none in one batch, eager
 and through the compiled decode step (whose tokens and logprobs are the eager step's); the
-batched LoRA matmul, grouped and stacked, equals its row-by-row reference; adapters load and unload through the
+batched LoRA matmul, grouped and segmented (decode), equals its row-by-row reference; adapters load and unload through the
 engine's verbs; the radix cache never shares KV across adapters.
 """
 
@@ -23,10 +23,10 @@ from model_fixtures import (
 from radixray import Engine
 from radixray.kernels.lora import (
     LoraRows,
+    LoraSegments,
     lora_add,
     lora_add_reference,
-    lora_add_stacked,
-    row_slot_scales,
+    lora_add_segments,
 )
 
 NEW_TOKENS = 12
@@ -109,24 +109,24 @@ def test_the_batched_lora_matmul_equals_its_reference():
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("row_slots", [
-    [-1, 0, 0, 3, -1, 1, 3, 3, 0],  # ragged: slot 2 unused, rows of none between
-    [2, 2, 2],  # one slot, not the first
-    [1],  # one row
-    [-1, -1, -1, -1],  # no row with an adapter
-], ids=["ragged", "one-slot", "one-row", "none"])
-def test_the_stacked_lora_update_equals_its_reference(row_slots):
+@pytest.mark.parametrize("row_slots,d_in", [
+    ([-1, 0, 0, 3, -1, 1, 3, 3, 0], 40),  # ragged: slot 2 unused, rows of none between
+    ([-1, 0, 0, 3, -1, 1, 3, 3, 0], 42),  # rows not 16-byte aligned: a GEMM per slot
+    ([2, 2, 2], 40),  # one slot, not the first
+    ([1], 40),  # one row
+    ([-1, -1, -1, -1], 40),  # no row with an adapter
+], ids=["ragged", "unaligned", "one-slot", "one-row", "none"])
+def test_the_segmented_lora_update_equals_its_reference(row_slots, d_in):
     gen = torch.Generator().manual_seed(1)
-    slots, rank, d_in, d_out = 5, 6, 40, 24
+    slots, rank, d_out = 5, 8, 24
     a = torch.randn(slots, rank, d_in, generator=gen)
     b = torch.randn(slots, d_out, rank, generator=gen)
     scalings = torch.tensor([0.5, 2.0, 1.25, 0.75, 3.0])
     row_slots = torch.tensor(row_slots)
     x = torch.randn(len(row_slots), d_in, generator=gen)
     base = torch.randn(len(row_slots), d_out, generator=gen)
-    scales = row_slot_scales(row_slots, scalings, torch.float32)
-    assert scales.shape == (len(row_slots), max(int(row_slots.max()) + 1, 1))  # slots in use
-    got = lora_add_stacked(base.clone(), x, a, b, scales)
+    segments = LoraSegments.of(row_slots, scalings, torch.float32)
+    got = lora_add_segments(base, x, a, b, segments)
     torch.testing.assert_close(got, lora_add_reference(base, x, a, b, scalings, row_slots),
                                rtol=1e-5, atol=1e-5)
     assert torch.equal(got[row_slots < 0], base[row_slots < 0])  # no adapter: untouched
@@ -159,6 +159,7 @@ def test_compiled_decode_runs_adapter_batches_with_the_eager_tokens(
         got = run(eng)
         assert counters["stats"]["unique_graphs"] == graphs  # nothing traced again
         assert compiled.steps - steps >= 3 * (NEW_TOKENS - 1)  # every decode step compiled
+    lora_eng.flush_cache()  # prefills reuse cached prefixes alike in both engines
     want = run(lora_eng)
     for g, w in zip(got, want):
         assert [o["output_ids"] for o in g] == [o["output_ids"] for o in w]

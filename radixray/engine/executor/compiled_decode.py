@@ -13,8 +13,9 @@ Two graphs cover every decode batch up to ``torch_compile_max_bs`` requests: bat
 (torch specializes size-1 dimensions) and any batch from 2 up, traced with a symbolic
 batch size. Both take the context length as a symbolic size too, so neither is traced
 again as requests grow. With LoRA, two more cover the decode batches whose requests use
-adapters: they run the stacked LoRA update (kernels/lora.py ``lora_add_stacked``), whose
-count of slots in use is an unbacked symbolic size (any count, one included, in one graph).
+adapters: each LoRA update is one opaque op (kernels/lora.py ``lora_add_segments``) whose
+per-batch row plan has unbacked symbolic sizes (any count of rows and slots, one included,
+in one graph).
 A larger batch, an extend or mixed batch, or one that records routes runs eagerly; the
 first such batch is logged with the reason. The graphs are compiled at start-up (the log
 says how long) into inductor's cache under ``~/.cache/radixray/inductor``
@@ -100,7 +101,7 @@ class CompiledDecode:
         return self.runner.model.logits(batch)
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        lora_ok = batch.lora is None or batch.lora.stacked
+        lora_ok = batch.lora is None or batch.lora.traceable
         return batch.decode_only and lora_ok and self.largest.admits(batch)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
@@ -114,15 +115,16 @@ class CompiledDecode:
     @staticmethod
     def _mark_dynamic(batch: ForwardBatch) -> None:
         """Tell the tracer which sizes vary: the context length always, the batch size from
-        two requests up, the LoRA slots in use always, unbacked (a count of 1 is not
+        two requests up, the LoRA row plan's always, unbacked (a size of 1 is not
         specialized), so the same graph serves them all."""
         meta = batch.attn_metadata
         torch._dynamo.maybe_mark_dynamic(meta["kv_indices"], 1)
         rows = [batch.input_ids, batch.positions, batch.out_cache_loc, meta["kv_indices"],
                 meta["seq_lens"]]
         if batch.lora is not None:
-            torch._dynamo.decorators.mark_unbacked(batch.lora.scales, 1)
-            rows.append(batch.lora.scales)
+            plan = batch.lora.segments
+            for t in (plan.rows, plan.ends, plan.scales):
+                torch._dynamo.decorators.mark_unbacked(t, 0)
         if batch.batch_size > 1:
             for t in rows:
                 torch._dynamo.maybe_mark_dynamic(t, 0)

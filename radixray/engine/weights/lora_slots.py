@@ -38,7 +38,7 @@ from radixray.engine.weights.version import (
     default_version,
     raise_floor,
 )
-from radixray.kernels.lora import LoraRows, lora_add, lora_add_stacked, row_slot_scales
+from radixray.kernels.lora import LoraRows, LoraSegments, lora_add, lora_add_segments
 
 logger = logging.getLogger(__name__)
 
@@ -73,22 +73,22 @@ class LoraBatch:
     """The adapters of one forward pass: each row's slot (-1: none) and the slots' weights.
     The model calls :meth:`apply` after each LoRA target's base projection.
 
-    A decode batch on the CPU (``decode``) runs the stacked form (kernels/lora.py
-    ``lora_add_stacked``), its per-row scale matrix built here, once: no Python per adapter,
-    so a compiled decode step traces it (``stacked``). Other batches group their rows by
-    slot (``lora_add``), or run triton's segmented kernels on CUDA."""
+    A decode batch on the CPU (``decode``) runs one op per target (kernels/lora.py
+    ``lora_add_segments``) over its rows sorted by slot here, once: no Python per adapter in
+    the forward, so a compiled decode step runs it (``traceable``). Other batches group
+    their rows by slot (``lora_add``), or run triton's segmented kernels on CUDA."""
 
     def __init__(self, slots: LoraSlots, row_slots: torch.Tensor, decode: bool = False):
         self.slots = slots
         self.row_slots = row_slots
         self._rows = None  # LoraRows (torch) or the segments (triton), once per batch
-        self.scales = (row_slot_scales(row_slots, slots.scalings, slots.dtype)
-                       if decode and slots.kernel == "torch" else None)
+        self.segments = (LoraSegments.of(row_slots, slots.scalings, slots.dtype)
+                         if decode and slots.kernel == "torch" else None)
 
     @property
-    def stacked(self) -> bool:
-        """Whether :meth:`apply` runs the traceable stacked form."""
-        return self.scales is not None
+    def traceable(self) -> bool:
+        """Whether :meth:`apply` runs the one-op form torch.compile keeps whole."""
+        return self.segments is not None
 
     def to(self, device: str) -> None:
         self.row_slots = self.row_slots.to(device, non_blocking=True)
@@ -97,8 +97,8 @@ class LoraBatch:
     def apply(self, target: str, layer: int, base: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``base`` (the projection of ``x`` ``[T, in]``) plus each row's adapter update, in place."""
         a, b = self.slots.weights(target, layer)
-        if self.scales is not None:
-            return lora_add_stacked(base, x, a, b, self.scales)
+        if self.segments is not None:
+            return lora_add_segments(base, x, a, b, self.segments)
         if self.slots.kernel == "triton":
             from radixray.kernels.triton_lora import lora_add_triton, lora_segments
             if self._rows is None:
