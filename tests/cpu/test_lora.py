@@ -1,8 +1,9 @@
 """Multi-LoRA serving in the engine: two PEFT adapters made here on the tiny random Llama.
 
 Greedy tokens of each adapter equal Hugging Face's with the adapter merged into the weights
-(peft's merge_and_unload), with requests of both adapters and of none in one batch; the
-batched LoRA matmul equals its row-by-row reference; adapters load and unload through the
+(peft's merge_and_unload), with requests of both adapters and of none in one batch, eager
+and through the compiled decode step (whose tokens and logprobs are the eager step's); the
+batched LoRA matmul, grouped and segmented (decode), equals its row-by-row reference; adapters load and unload through the
 engine's verbs; the radix cache never shares KV across adapters.
 """
 
@@ -20,7 +21,13 @@ from model_fixtures import (
 )
 
 from radixray import Engine
-from radixray.kernels.lora import LoraRows, lora_add, lora_add_reference
+from radixray.kernels.lora import (
+    LoraRows,
+    LoraSegments,
+    lora_add,
+    lora_add_reference,
+    lora_add_segments,
+)
 
 NEW_TOKENS = 12
 GREEDY = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
@@ -100,6 +107,67 @@ def test_the_batched_lora_matmul_equals_its_reference():
     torch.testing.assert_close(lora_add(base.clone(), x, a, b, scalings, rows_all),
                                lora_add_reference(base, x, a, b, scalings, same),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("row_slots,d_in", [
+    ([-1, 0, 0, 3, -1, 1, 3, 3, 0], 40),  # ragged: slot 2 unused, rows of none between
+    ([-1, 0, 0, 3, -1, 1, 3, 3, 0], 42),  # rows not 16-byte aligned: a GEMM per slot
+    ([2, 2, 2], 40),  # one slot, not the first
+    ([1], 40),  # one row
+    ([-1, -1, -1, -1], 40),  # no row with an adapter
+], ids=["ragged", "unaligned", "one-slot", "one-row", "none"])
+def test_the_segmented_lora_update_equals_its_reference(row_slots, d_in):
+    gen = torch.Generator().manual_seed(1)
+    slots, rank, d_out = 5, 8, 24
+    a = torch.randn(slots, rank, d_in, generator=gen)
+    b = torch.randn(slots, d_out, rank, generator=gen)
+    scalings = torch.tensor([0.5, 2.0, 1.25, 0.75, 3.0])
+    row_slots = torch.tensor(row_slots)
+    x = torch.randn(len(row_slots), d_in, generator=gen)
+    base = torch.randn(len(row_slots), d_out, generator=gen)
+    segments = LoraSegments.of(row_slots, scalings, torch.float32)
+    got = lora_add_segments(base, x, a, b, segments)
+    torch.testing.assert_close(got, lora_add_reference(base, x, a, b, scalings, row_slots),
+                               rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[row_slots < 0], base[row_slots < 0])  # no adapter: untouched
+
+
+def test_compiled_decode_runs_adapter_batches_with_the_eager_tokens(
+        tiny_llama_dir, lora_adapters, lora_eng, references):
+    """enable_torch_compile with the C++ kernels: two more graphs (batch 1 and 2..max with
+    adapters) compiled at start-up serve every decode batch with adapters, whatever their
+    count, with the eager engine's tokens and logprobs bit for bit (so HF's merged tokens)."""
+    from torch._dynamo.utils import counters
+    prompts, refs = references
+    mixed = [None, "alpha", "beta", "alpha", None, "beta", "beta", None]
+    workloads = [(prompts + prompts[1:3], mixed),  # two adapters and none, 8 rows
+                 ([prompts[0], prompts[3]], ["alpha", "alpha"]),  # one adapter
+                 ([prompts[4]], ["beta"])]  # one row
+    params = dict(GREEDY, return_logprob=True)
+
+    def run(engine):
+        return [engine.generate(input_ids=p, sampling_params=params, lora_path=names)
+                for p, names in workloads]
+
+    paths = [f"{name}={path}" for name, path in lora_adapters.items()]
+    graphs = counters["stats"]["unique_graphs"]
+    with Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=8192,
+                enable_torch_compile=True, lora_paths=paths) as eng:
+        compiled = eng.runner.compiled_decode
+        assert counters["stats"]["unique_graphs"] - graphs == 4  # with and without adapters
+        graphs, steps = counters["stats"]["unique_graphs"], compiled.steps
+        got = run(eng)
+        assert counters["stats"]["unique_graphs"] == graphs  # nothing traced again
+        assert compiled.steps - steps >= 3 * (NEW_TOKENS - 1)  # every decode step compiled
+    lora_eng.flush_cache()  # prefills reuse cached prefixes alike in both engines
+    want = run(lora_eng)
+    for g, w in zip(got, want):
+        assert [o["output_ids"] for o in g] == [o["output_ids"] for o in w]
+        assert [o["output_token_logprobs"] for o in g] == \
+            [o["output_token_logprobs"] for o in w]  # the same floats
+    for i, (out, name) in enumerate(zip(got[0], mixed)):
+        p = i if i < 6 else i - 5
+        assert_greedy_equal(out["output_ids"], *refs[(name, p)], f"compiled: {name} prompt {p}")
 
 
 def test_an_unknown_adapter_is_refused_by_name(lora_eng, eng):

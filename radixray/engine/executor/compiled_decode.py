@@ -12,10 +12,14 @@ eagerly, so a compiled step's logits are the eager step's, bit for bit
 Two graphs cover every decode batch up to ``torch_compile_max_bs`` requests: batch 1
 (torch specializes size-1 dimensions) and any batch from 2 up, traced with a symbolic
 batch size. Both take the context length as a symbolic size too, so neither is traced
-again as requests grow. A larger batch, an extend or mixed batch, or one that records
-routes runs eagerly; the first such batch is logged with the reason. Both graphs are
-compiled at start-up (the log says how long) into inductor's cache under
-``~/.cache/radixray/inductor`` (``RADIXRAY_CACHE_DIR``), which a restart reuses.
+again as requests grow. With LoRA, two more cover the decode batches whose requests use
+adapters: each LoRA update is one opaque op (kernels/lora.py ``lora_add_segments``) whose
+per-batch row plan has unbacked symbolic sizes (any count of rows and slots, one included,
+in one graph).
+A larger batch, an extend or mixed batch, or one that records routes runs eagerly; the
+first such batch is logged with the reason. The graphs are compiled at start-up (the log
+says how long) into inductor's cache under ``~/.cache/radixray/inductor``
+(``RADIXRAY_CACHE_DIR``), which a restart reuses.
 
 Weights and the KV pool are read through the modules on every call (inductor's freezing
 is off), so a weight update's commit or a memory release needs nothing here.
@@ -34,6 +38,7 @@ from radixray.engine.executor.forward_batch import (
     ForwardMode,
     LargestDecodeBatch,
 )
+from radixray.engine.weights.lora_slots import LoraBatch, LoraSlots
 
 logger = logging.getLogger(__name__)
 
@@ -85,62 +90,79 @@ class CompiledDecode:
         self.runner = runner
         self.max_bs = max_bs
         use_inductor_cache(inductor_cache_dir())
-        # One graph per (batch 1, batch > 1) and per weight layout a session may swap in.
+        # One graph per (batch 1, batch > 1) x (adapters or not) and per weight layout a
+        # session may swap in.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
         self.forward = torch.compile(self._decode_forward, fullgraph=True, dynamic=False)
         self.largest = LargestDecodeBatch(max_bs, "a decode batch of %d requests runs eagerly: "
                                           "the compiled decode step covers up to %d (raise "
                                           "torch_compile_max_bs to cover more)", logger)
+        self.steps = 0  # decode steps run compiled
 
     def _decode_forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.runner.model.logits(batch)
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.plain_decode and self.largest.admits(batch)
+        lora_ok = batch.lora is None or batch.lora.traceable
+        return batch.decode_only and lora_ok and self.largest.admits(batch)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """The logits of ``batch`` (a decode batch :meth:`can_run` accepted); the attention
         backend's metadata is built eagerly first, as for an eager step."""
         self.runner.attn_backend.init_forward_metadata(batch)
         self._mark_dynamic(batch)
+        self.steps += 1
         return self.forward(batch)
 
     @staticmethod
     def _mark_dynamic(batch: ForwardBatch) -> None:
         """Tell the tracer which sizes vary: the context length always, the batch size from
-        two requests up (the same marks on every call, so the same graph serves them)."""
+        two requests up, the LoRA row plan's always, unbacked (a size of 1 is not
+        specialized), so the same graph serves them all."""
         meta = batch.attn_metadata
         torch._dynamo.maybe_mark_dynamic(meta["kv_indices"], 1)
+        rows = [batch.input_ids, batch.positions, batch.out_cache_loc, meta["kv_indices"],
+                meta["seq_lens"]]
+        if batch.lora is not None:
+            plan = batch.lora.segments
+            for t in (plan.rows, plan.ends, plan.scales):
+                torch._dynamo.decorators.mark_unbacked(t, 0)
         if batch.batch_size > 1:
-            for t in (batch.input_ids, batch.positions, batch.out_cache_loc,
-                      meta["kv_indices"], meta["seq_lens"]):
+            for t in rows:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
 
     def compile_all(self) -> None:
-        """Trace and compile both graphs now, on padding batches (slot 0 through request
-        table row 0, as CUDA graph capture uses them), and log the time it took."""
+        """Trace and compile every graph now, on padding batches (slot 0 through request
+        table row 0, as CUDA graph capture uses them; with LoRA, the same rows on adapter
+        slot 0 too), and log the time it took."""
         from radixray.common.progress import Ticker
         t0 = time.perf_counter()
         sizes = [1, 2] if self.max_bs > 1 else [1]
+        lora = self.runner.lora
 
         def message(elapsed: float) -> str:
             return f"compiling the decode step (torch.compile, inductor): {elapsed:.0f} s"
-        batches = [padding_batch(bs) for bs in sizes]  # built as the scheduler builds them:
-        with Ticker(message, logger, 10.0), torch.inference_mode():  # outside inference mode
+        # built as the scheduler builds them: outside inference mode
+        batches = [padding_batch(bs) for bs in sizes]
+        if lora is not None:
+            batches += [padding_batch(bs, lora) for bs in sizes]
+        with Ticker(message, logger, 10.0), torch.inference_mode():
             for batch in batches:
                 self.run(batch)
-        logger.info("compiled the decode step for batch sizes 1..%d in %.1f s (inductor "
-                    "cache: %s)", self.max_bs, time.perf_counter() - t0,
-                    os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        logger.info("compiled the decode step for batch sizes 1..%d%s in %.1f s (inductor "
+                    "cache: %s)", self.max_bs, "" if lora is None else ", with LoRA adapters and "
+                    "without", time.perf_counter() - t0, os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
-def padding_batch(bs: int) -> ForwardBatch:
-    """``bs`` decode rows that read and write only the pool's padding slot 0."""
+def padding_batch(bs: int, lora: LoraSlots | None = None) -> ForwardBatch:
+    """``bs`` decode rows that read and write only the pool's padding slot 0 (with ``lora``:
+    on its adapter slot 0, whatever it holds)."""
     zeros = torch.zeros(bs, dtype=torch.int64)
     return ForwardBatch(mode=ForwardMode.DECODE, input_ids=zeros, positions=zeros.clone(),
                         out_cache_loc=zeros.clone(), req_rows=zeros.clone(),
                         prefix_lens=[_WARMUP_LEN - 1] * bs, extend_lens=[1] * bs,
-                        seq_lens=[_WARMUP_LEN] * bs)
+                        seq_lens=[_WARMUP_LEN] * bs,
+                        lora=None if lora is None else LoraBatch(lora, zeros.clone(), True))
 
 
 def build_compiled_decode(runner, config) -> tuple[CompiledDecode | None, str]:

@@ -68,11 +68,16 @@ class ForwardBatch:
             self.lora.to(device)
 
     @property
-    def plain_decode(self) -> bool:
-        """A decode batch with nothing beside its tokens (no riders' extends, no routes or
-        prompt rows to keep, no adapters): what a captured or compiled decode step can run."""
+    def decode_only(self) -> bool:
+        """A decode batch with nothing beside its tokens and its adapters, if any (no riders'
+        extends, no routes or prompt rows to keep)."""
         return (self.mode is ForwardMode.DECODE and not self.num_decode
-                and not self.route_captures and self.prompt_rows is None and self.lora is None)
+                and not self.route_captures and self.prompt_rows is None)
+
+    @property
+    def plain_decode(self) -> bool:
+        """:attr:`decode_only` without adapters: what a captured CUDA graph can run."""
+        return self.decode_only and self.lora is None
 
     @property
     def batch_size(self) -> int:

@@ -272,11 +272,11 @@ class ModelRunner:
             prefix_lens=kv_lens, extend_lens=[1] * len(reqs), seq_lens=[n + 1 for n in kv_lens],
             route_captures=[(r, i, 1, n) for i, (r, n) in enumerate(zip(reqs, kv_lens))
                             if r.sampling.return_routed_experts] if self.routes_experts else [],
-            lora=self._lora_batch([(r.lora, 1) for r in reqs]))
+            lora=self._lora_batch([(r.lora, 1) for r in reqs], decode=True))
 
-    def _lora_batch(self, row_adapters: list[tuple[str | None, int]]):
+    def _lora_batch(self, row_adapters: list[tuple[str | None, int]], decode: bool = False):
         """The batch's LoraBatch (its adapters put in slots), or None without adapters."""
-        return self.lora.batch(row_adapters) if self.lora is not None else None
+        return self.lora.batch(row_adapters, decode) if self.lora is not None else None
 
     def collect_routes(self, req: Req) -> None:
         """``req`` finishes (its slots not yet released): with enable_return_routed_experts and

@@ -38,7 +38,7 @@ from radixray.engine.weights.version import (
     default_version,
     raise_floor,
 )
-from radixray.kernels.lora import LoraRows, lora_add
+from radixray.kernels.lora import LoraRows, LoraSegments, lora_add, lora_add_segments
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +71,24 @@ def lora_targets(model) -> dict[str, LoraTarget]:
 
 class LoraBatch:
     """The adapters of one forward pass: each row's slot (-1: none) and the slots' weights.
-    The model calls :meth:`apply` after each LoRA target's base projection."""
+    The model calls :meth:`apply` after each LoRA target's base projection.
 
-    def __init__(self, slots: LoraSlots, row_slots: torch.Tensor):
+    A decode batch on the CPU (``decode``) runs one op per target (kernels/lora.py
+    ``lora_add_segments``) over its rows sorted by slot here, once: no Python per adapter in
+    the forward, so a compiled decode step runs it (``traceable``). Other batches group
+    their rows by slot (``lora_add``), or run triton's segmented kernels on CUDA."""
+
+    def __init__(self, slots: LoraSlots, row_slots: torch.Tensor, decode: bool = False):
         self.slots = slots
         self.row_slots = row_slots
         self._rows = None  # LoraRows (torch) or the segments (triton), once per batch
+        self.segments = (LoraSegments.of(row_slots, slots.scalings, slots.dtype)
+                         if decode and slots.kernel == "torch" else None)
+
+    @property
+    def traceable(self) -> bool:
+        """Whether :meth:`apply` runs the one-op form torch.compile keeps whole."""
+        return self.segments is not None
 
     def to(self, device: str) -> None:
         self.row_slots = self.row_slots.to(device, non_blocking=True)
@@ -85,6 +97,8 @@ class LoraBatch:
     def apply(self, target: str, layer: int, base: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``base`` (the projection of ``x`` ``[T, in]``) plus each row's adapter update, in place."""
         a, b = self.slots.weights(target, layer)
+        if self.segments is not None:
+            return lora_add_segments(base, x, a, b, self.segments)
         if self.slots.kernel == "triton":
             from radixray.kernels.triton_lora import lora_add_triton, lora_segments
             if self._rows is None:
@@ -245,16 +259,17 @@ class LoraSlots:
                 out[name] = slot
         return out
 
-    def batch(self, row_adapters: list[tuple[str | None, int]]) -> LoraBatch | None:
+    def batch(self, row_adapters: list[tuple[str | None, int]],
+              decode: bool = False) -> LoraBatch | None:
         """The LoraBatch of a forward pass whose requests, in order, use ``(adapter or None,
-        rows)``; None when none uses an adapter."""
+        rows)`` (one row each: ``decode``); None when none uses an adapter."""
         names = {name for name, _ in row_adapters if name is not None}
         if not names:
             return None
         slot_of = self.prepare(names)
         row_slots = torch.cat([torch.full((n,), slot_of[name] if name is not None else -1,
                                           dtype=torch.int64) for name, n in row_adapters])
-        return LoraBatch(self, row_slots)
+        return LoraBatch(self, row_slots, decode)
 
     def weights(self, target: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.a[target][layer], self.b[target][layer]
