@@ -10,7 +10,7 @@ The non-streaming handler returns a dict; the streaming one an async iterator of
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -18,7 +18,7 @@ from radixray.engine.request_ids import choice_rids, new_rid
 from radixray.serve.chat_output import ChoiceOutput, chat_finish_reason
 from radixray.serve.chat_parsers import ChatPlan, plan
 from radixray.serve.chat_template import render
-from radixray.serve.closing_stream import ClosingStream, discard_all
+from radixray.serve.closing_stream import response_stream
 from radixray.serve.frontend import Choice, Frontend
 from radixray.serve.openai_serving import (
     SSE_DONE,
@@ -51,8 +51,7 @@ async def chat_completion(fe: Frontend, req: ChatCompletionRequest, session_id: 
                                       route_text=text, session_id=session_id, lora_path=adapter)
     rid = f"chatcmpl-{base}"
     if req.stream:
-        return ClosingStream(_chat_stream(fe, req, chat, rid, choices, streams),
-                             functools.partial(discard_all, streams))
+        return response_stream(_chat_stream(fe, req, chat, rid, choices, streams), streams)
     await fe.complete(choices, streams)
     out = []
     for c in choices:
@@ -82,19 +81,20 @@ async def _chat_stream(fe: Frontend, req: ChatCompletionRequest, chat: ChatPlan,
         return sse(body)
     for c in choices:
         yield chunk(c.index, {"role": "assistant", "content": ""})
-    async for c, text, update in fe.interleave(choices, streams):
-        if c.error:
-            yield stream_error(c)
-            continue
-        split = splits[c.index]
-        lp = None
-        if req.logprobs and update.ids:
-            lp = chat_logprobs(fe, update.ids, update.logprobs or [], update.top_logprobs or [])
-        delta = split.feed(text, at_end=c.meta is not None)
-        if delta or lp:
-            yield chunk(c.index, split.delta_dict(delta), logprobs=lp)
-        if c.meta is not None:
-            yield chunk(c.index, {}, reason=chat_finish_reason(finish_reason(c), split.has_calls))
+    async with contextlib.aclosing(fe.interleave(choices, streams)) as updates:
+        async for c, text, update in updates:
+            if c.error:
+                yield stream_error(c)
+                continue
+            split = splits[c.index]
+            lp = None
+            if req.logprobs and update.ids:
+                lp = chat_logprobs(fe, update.ids, update.logprobs or [], update.top_logprobs or [])
+            delta = split.feed(text, at_end=c.meta is not None)
+            if delta or lp:
+                yield chunk(c.index, split.delta_dict(delta), logprobs=lp)
+            if c.meta is not None:
+                yield chunk(c.index, {}, reason=chat_finish_reason(finish_reason(c), split.has_calls))
     if req.include_usage:
         yield sse({**base, "choices": [], "usage": usage(fe, choices, req.n)})
     yield SSE_DONE

@@ -205,8 +205,11 @@ class Frontend:
     async def interleave(self, choices: list[Choice], streams: list[AsyncIterator]):
         """Yield (choice, delta text, update) as updates arrive from any choice."""
         if len(streams) == 1:
-            async for update in streams[0]:
-                yield choices[0], choices[0].add(update), update
+            try:
+                async for update in streams[0]:
+                    yield choices[0], choices[0].add(update), update
+            finally:
+                await close_all(streams)
             return
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -226,4 +229,5 @@ class Frontend:
         finally:
             for t in tasks:
                 t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # their streams close
             await close_all(streams)

@@ -6,13 +6,13 @@ generated so far (not deltas), ending with ``data: [DONE]``.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 from collections.abc import AsyncIterator
 
 from radixray.engine.inputs import to_sampling_params
 from radixray.engine.request_ids import new_rid
 from radixray.serve.api_error import ApiError
-from radixray.serve.closing_stream import ClosingStream, discard_all
+from radixray.serve.closing_stream import response_stream
 from radixray.serve.frontend import Choice, Frontend
 from radixray.serve.openai_serving import SSE_DONE, sse
 from radixray.serve.protocol import GenerateRequest
@@ -123,18 +123,18 @@ async def generate(fe: Frontend, req: GenerateRequest, session_id: str | None = 
                                       route_text=text, session_id=session_id,
                                       lora_path=await _adapters(fe, req, len(prompts)))
     if req.stream:
-        return ClosingStream(_stream(fe, req, choices, streams),
-                             functools.partial(discard_all, streams))
+        return response_stream(_stream(fe, req, choices, streams), streams)
     await fe.complete(choices, streams)
     results = [_result(fe, c, req) for c in choices]
     return results if is_batch else results[0]
 
 
 async def _stream(fe: Frontend, req: GenerateRequest, choices, streams) -> AsyncIterator[str]:
-    async for c, delta, _ in fe.interleave(choices, streams):
-        if c.error:
-            yield sse(c.api_error().body())
-            continue
-        if delta or c.meta is not None:
-            yield sse(_result(fe, c, req))
+    async with contextlib.aclosing(fe.interleave(choices, streams)) as updates:
+        async for c, delta, _ in updates:
+            if c.error:
+                yield sse(c.api_error().body())
+                continue
+            if delta or c.meta is not None:
+                yield sse(_result(fe, c, req))
     yield SSE_DONE

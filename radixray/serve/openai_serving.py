@@ -7,14 +7,14 @@ iterator of SSE lines (``data: {...}\\n\\n`` ... ``data: [DONE]\\n\\n``).
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
 
 from radixray.engine.request_ids import choice_rids, new_rid
 from radixray.serve.api_error import ApiError
-from radixray.serve.closing_stream import ClosingStream, discard_all
+from radixray.serve.closing_stream import response_stream
 from radixray.serve.frontend import Choice, Frontend
 from radixray.serve.protocol import CompletionRequest
 
@@ -165,8 +165,7 @@ async def completion(fe: Frontend, req: CompletionRequest, session_id: str | Non
                                       route_text=text, session_id=session_id, lora_path=adapter)
     rid = f"cmpl-{base}"
     if req.stream:
-        return ClosingStream(_completion_stream(fe, req, rid, choices, streams, echo_of),
-                             functools.partial(discard_all, streams))
+        return response_stream(_completion_stream(fe, req, rid, choices, streams, echo_of), streams)
     await fe.complete(choices, streams)
     out = [{"index": c.index, "text": echo_of(c) + c.text, "finish_reason": finish_reason(c),
             "matched_stop": matched_stop(c), "logprobs": None if req.logprobs is None else
@@ -184,31 +183,32 @@ async def _completion_stream(fe: Frontend, req: CompletionRequest, rid: str,
             "model": fe.served_model_name}
     offsets = {c.index: 0 for c in choices}
     echoed: set[int] = set()
-    async for c, delta, update in fe.interleave(choices, streams):
-        if c.error:
-            yield stream_error(c)
-            continue
-        if req.echo and c.index not in echoed:
-            echoed.add(c.index)
+    async with contextlib.aclosing(fe.interleave(choices, streams)) as updates:
+        async for c, delta, update in updates:
+            if c.error:
+                yield stream_error(c)
+                continue
+            if req.echo and c.index not in echoed:
+                echoed.add(c.index)
+                lp = None
+                if req.logprobs is not None:
+                    lp = completion_logprobs(fe, c.prompt_ids, c.input_logprobs or
+                                             [None] * len(c.prompt_ids), c.input_top_logprobs)
+                    if lp["tokens"]:
+                        offsets[c.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                yield sse({**base, "choices": [{"index": c.index, "text": echo_of(c),
+                                                "logprobs": lp, "finish_reason": None}]})
             lp = None
-            if req.logprobs is not None:
-                lp = completion_logprobs(fe, c.prompt_ids, c.input_logprobs or
-                                         [None] * len(c.prompt_ids), c.input_top_logprobs)
-                if lp["tokens"]:
-                    offsets[c.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-            yield sse({**base, "choices": [{"index": c.index, "text": echo_of(c),
-                                            "logprobs": lp, "finish_reason": None}]})
-        lp = None
-        if req.logprobs is not None and update.ids:
-            lp = completion_logprobs(fe, update.ids, update.logprobs or [],
-                                     update.top_logprobs or [], offsets[c.index])
-        offsets[c.index] += len(delta)
-        if delta or lp or c.meta is not None:
-            body = {**base, "choices": [{"index": c.index, "text": delta, "logprobs": lp,
-                                         "finish_reason": finish_reason(c)}]}
-            if req.continuous_usage:
-                body["usage"] = usage(fe, choices, req.n)
-            yield sse(body)
+            if req.logprobs is not None and update.ids:
+                lp = completion_logprobs(fe, update.ids, update.logprobs or [],
+                                         update.top_logprobs or [], offsets[c.index])
+            offsets[c.index] += len(delta)
+            if delta or lp or c.meta is not None:
+                body = {**base, "choices": [{"index": c.index, "text": delta, "logprobs": lp,
+                                             "finish_reason": finish_reason(c)}]}
+                if req.continuous_usage:
+                    body["usage"] = usage(fe, choices, req.n)
+                yield sse(body)
     if req.include_usage:
         yield sse({**base, "choices": [], "usage": usage(fe, choices, req.n)})
     yield SSE_DONE

@@ -320,3 +320,28 @@ def test_a_stream_read_from_cleans_up_through_its_own_generator():
         assert [x async for x in ClosingStream(gen(), lambda: ran.append("unread"))] == [1, 2]
     asyncio.run(main())
     assert ran == ["finally", "finally"]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_closing_a_streamed_response_aborts_its_requests_before_close_returns(n):
+    """A client that goes away mid-stream closes the response body; the requests behind it
+    end on their worker within that close, not whenever the garbage collector and the event
+    loop get to the generators between (a paused request would hold its KV until then)."""
+    from radixray.serve.openai_serving import completion
+    from radixray.serve.protocol import CompletionRequest
+
+    worker = FakeWorker()  # answers only what the test puts in its outbox
+    fe, router = _frontend(worker)
+
+    async def main():
+        await fe.dispatcher.start()
+        body = await completion(fe, CompletionRequest(prompt=[1, 2, 3], max_tokens=8, n=n,
+                                                      stream=True))
+        worker.outbox.put_nowait([RequestUpdate(r.rid, [7]) for r in worker.submitted])
+        assert (await body.__anext__()).startswith("data: ")
+        await body.aclose()
+        return sorted(rid for call in worker.aborted for rid in call)
+    aborted = asyncio.run(main())
+    assert aborted == sorted(r.rid for r in worker.submitted) and len(aborted) == n
+    assert fe.dispatcher.clients["w0"]._queues == {}
+    assert router.released == [("w0", None)]
