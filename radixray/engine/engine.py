@@ -11,6 +11,7 @@ from concurrent.futures import Future
 
 import torch
 
+from radixray.engine.compute_thread import start_compute_thread
 from radixray.engine.config import EngineConfig
 from radixray.engine.control import (
     LONG_LOOP_TIMEOUT_S,
@@ -70,6 +71,14 @@ class Engine(PDVerbs):
         its group rendezvous (TP: as rank 0; None starts local follower processes)."""
         self.config = EngineConfig.from_kwargs(model=model, **options)
         self.worker_id = worker_id
+        # built and run on one thread (engine/compute_thread.py)
+        self._thread = start_compute_thread(
+            lambda: self._build(kv_transport, ep_rank, ep_init_method, tp_init_method),
+            self._loop, "radixray-scheduler", torch.get_num_threads())
+
+    def _build(self, kv_transport, ep_rank: int, ep_init_method: str | None,
+               tp_init_method: str | None) -> None:
+        """Everything the engine holds, built on its scheduler thread."""
         source = resolve_model(self.config.model)
         self.tokenizer = source.tokenizer
         self.hf_config = source.config
@@ -93,20 +102,14 @@ class Engine(PDVerbs):
         self.pd = None  # the prefill or decode half of a pair (engine/disaggregation/)
         if self.config.disaggregation_mode is not None:
             from radixray.engine.disaggregation.setup import PDLink
-            self.pd = PDLink(self.config.disaggregation_mode, worker_id, self.scheduler,
+            self.pd = PDLink(self.config.disaggregation_mode, self.worker_id, self.scheduler,
                              self.runner, self.config, kv_transport)
         self.weights = WeightUpdater(self.runner, self.scheduler, self.memory)
         self.runner.eplb = ExpertBalancer.create(self.config, self.runner.model,
                                                  self.weights.exclusive, self.runner.ep)
-        self._thread = threading.Thread(target=self._loop, name="radixray-scheduler", daemon=True)
-        self._thread.start()
 
     def _loop(self) -> None:
-        # OpenMP's thread count is per thread: a new thread starts from OMP_NUM_THREADS
-        # (Ray sets it to the actor's CPU count, often 1), not from the count the
-        # model runner chose on the constructing thread. Set it here, where the
-        # forward passes run.
-        torch.set_num_threads(self.runner.num_threads)
+        torch.set_num_threads(self.runner.num_threads)  # the runner's choice, on this thread
         try:
             self.scheduler.run_forever(lambda: self._stopping)
         except BaseException as exc:  # noqa: BLE001 - run_forever contains Exceptions; the rest

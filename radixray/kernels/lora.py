@@ -13,12 +13,12 @@ so its cost grows with the number of adapters in the batch, not the number of ro
 :func:`lora_add_segments` is the decode form: one opaque op (``radixray_lora::add_segments``,
 with a shape-only fake) that torch.compile keeps as a single call in a compiled decode
 step (engine/executor/compiled_decode.py), eager or compiled the same computation. The
-rows with an adapter are sorted by slot once per batch (:class:`LoraSegments`); the op
-gathers them, runs one grouped GEMM for the shrink and one for the expand
-(``torch._grouped_mm``: each row against its own adapter only, each slot in use read
-once), and adds the update back. (A dense form that runs every row through every slot in
-use traces without an op of its own, but multiplies the work by the count of slots in use:
-it lost to this one with 4 adapters, docs/benchmarks.md.)
+rows with an adapter are grouped by slot once per batch and each group padded to the
+largest (:class:`LoraSegments`); the op gathers them into ``[groups, width, in]``, runs one
+batched GEMM for the shrink and one for the expand (each row against its own adapter
+only, each slot in use read once) and gathers each row's update back beside a zero row
+for the rows without one: no scatter, whose CPU kernel was the slowest part of the
+earlier form. (The forms tried and their times: docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ def lora_add(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
     (a CPU float tensor). Adds into ``base`` in place and returns it."""
     for slot, idx in rows.groups:
         scale = float(scalings[slot])
-        if idx is None:
+        if idx is None and base.dtype == a.dtype:
+            base.addmm_(x @ a[slot].T, b[slot].T, alpha=scale)  # the add in the GEMM
+        elif idx is None:
             base.add_((x @ a[slot].T) @ b[slot].T, alpha=scale)
         else:
             delta = (x.index_select(0, idx) @ a[slot].T) @ b[slot].T
@@ -64,71 +66,70 @@ def lora_add(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
 
 @dataclass
 class LoraSegments:
-    """A decode batch's rows that use an adapter, sorted by slot (stable), built once per
-    batch: ``rows`` ``[N]`` int64 row indices; ``ends`` ``[n]`` int32, where slot ``g``'s rows
-    are ``rows[ends[g-1]:ends[g]]`` for every slot up to the highest in use (empty for a
-    slot no row uses); ``scales`` ``[N]`` each row's slot scaling, in the weights' dtype."""
+    """A decode batch's rows that use an adapter, grouped by slot (ascending) and padded to
+    the largest group, built once per batch. Group ``g`` holds slot ``slots[g]``'s rows at
+    ``gather[g*width:(g+1)*width]`` (a short group repeats its first row: the padding's
+    results are never read); ``places`` ``[T]`` gives each row's index into ``gather``, or
+    ``n*width`` (a zero row) for a row without an adapter; ``scales`` ``[n]`` are the groups'
+    scalings in the weights' dtype."""
 
-    rows: torch.Tensor
-    ends: torch.Tensor
+    gather: torch.Tensor
+    slots: torch.Tensor
     scales: torch.Tensor
+    places: torch.Tensor
 
     @classmethod
     def of(cls, row_slots: torch.Tensor, scalings: torch.Tensor,
            dtype: torch.dtype) -> LoraSegments:
         """The segments of ``row_slots`` ``[T]`` (-1: no adapter) with ``scalings`` ``[slots]``."""
-        order = torch.argsort(row_slots, stable=True)
-        rows = order[row_slots[order] >= 0]
-        slots = row_slots[rows]
-        n = int(slots.max()) + 1 if rows.numel() else 0
-        ends = torch.bincount(slots, minlength=n).cumsum(0).to(torch.int32)
-        return cls(rows, ends, scalings.to(row_slots.device)[slots].to(dtype))
+        total = row_slots.numel()
+        slots, counts = torch.unique(row_slots[row_slots >= 0], return_counts=True)
+        n = slots.numel()
+        places = torch.zeros(total, dtype=torch.int64)
+        if not n:
+            return cls(places[:0], slots, scalings[:0].to(dtype), places)
+        width = int(counts.max())
+        rows = torch.argsort(row_slots, stable=True)[total - int(counts.sum()):]  # -1 first
+        group = torch.repeat_interleave(torch.arange(n), counts)
+        starts = counts.cumsum(0) - counts
+        place = group * width + torch.arange(rows.numel()) - starts[group]
+        gather = rows[starts].repeat_interleave(width)
+        gather[place] = rows
+        places.fill_(n * width)
+        places[rows] = place
+        return cls(gather, slots, scalings[slots].to(dtype), places)
 
 
 def lora_add_segments(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                       segments: LoraSegments) -> torch.Tensor:
     """``base`` ``[T, out]`` plus each row's adapter update of ``x`` ``[T, in]`` (the module
     docstring), ``a`` ``[slots, r, in]``, ``b`` ``[slots, out, r]``; a new tensor."""
-    return torch.ops.radixray_lora.add_segments(base, x, a, b, segments.rows, segments.ends,
-                                                segments.scales)
+    return torch.ops.radixray_lora.add_segments(base, x, a, b, segments.gather, segments.slots,
+                                                segments.scales, segments.places)
 
 
 @torch.library.custom_op("radixray_lora::add_segments", mutates_args=())
 def _add_segments(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                  rows: torch.Tensor, ends: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    n = ends.numel()
-    if not rows.numel():
+                  gather: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor,
+                  places: torch.Tensor) -> torch.Tensor:
+    n = slots.numel()
+    if not n:
         return base.clone()
-    shrink = _grouped_mm(x.index_select(0, rows), a[:n].transpose(1, 2), ends)
-    shrink.mul_(scales.unsqueeze(1))
-    delta = _grouped_mm(shrink, b[:n].transpose(1, 2), ends)
-    return base.index_add(0, rows, delta.to(base.dtype))
+    width = gather.numel() // n
+    if int(slots[-1]) == n - 1:  # the first n slots: views, no copy
+        a, b = a[:n], b[:n]
+    else:
+        a, b = a.index_select(0, slots), b.index_select(0, slots)
+    shrink = torch.bmm(x.index_select(0, gather).view(n, width, -1), a.transpose(1, 2))
+    shrink.mul_(scales.view(n, 1, 1))
+    delta = torch.bmm(shrink, b.transpose(1, 2)).view(n * width, -1)
+    delta = torch.cat((delta, delta.new_zeros(1, delta.shape[1]))).index_select(0, places)
+    return base + delta.to(base.dtype)
 
 
 @_add_segments.register_fake
-def _(base, x, a, b, rows, ends, scales):
+def _(base, x, a, b, gather, slots, scales, places):
     return torch.empty_like(base)
-
-
-def _grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """``x[rows of group g] @ w[g]`` for the groups ``ends`` cuts ``x`` ``[N, k]`` into; ``w``
-    ``[n, k, m]``. torch's grouped GEMM where its operands are 16-byte aligned (it refuses
-    others), else one GEMM per group."""
-    if all(_aligned(t) for t in (x, w)):
-        return torch._grouped_mm(x, w, offs=ends)
-    out = x.new_empty(x.shape[0], w.shape[2])
-    start = 0
-    for g, end in enumerate(ends.tolist()):
-        torch.mm(x[start:end], w[g], out=out[start:end])
-        start = end
-    return out
-
-
-def _aligned(t: torch.Tensor) -> bool:
-    size = t.element_size()
-    return t.data_ptr() % 16 == 0 and all(
-        stride * size % 16 == 0 for stride, dim in zip(t.stride(), t.shape)
-        if stride != 1 and dim > 1)
 
 
 def lora_add_reference(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,

@@ -90,6 +90,36 @@ def test_bad_engine_option_names_the_option(tiny_llama_dir):
         Engine(model=tiny_llama_dir, schedule_policy="random")
 
 
+def test_the_model_is_built_on_the_thread_that_runs_it(tiny_llama_dir, monkeypatch, tmp_path):
+    """libgomp keeps a team of threads for every thread that ran a parallel region and stops
+    spinning once the process holds more than it has CPUs (engine/compute_thread.py): the
+    engine builds its model runner on its scheduler thread, with the constructing thread's
+    torch thread count, and a failure while building is raised by the constructor."""
+    import threading
+
+    from radixray.engine.executor.model_runner import ModelRunner
+    built_on = []
+    build = ModelRunner.__init__
+
+    def recording(self, *args, **kwargs):
+        built_on.append(threading.current_thread())
+        build(self, *args, **kwargs)
+    monkeypatch.setattr(ModelRunner, "__init__", recording)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with Engine(model=tiny_llama_dir, max_total_tokens=256) as eng:
+            assert built_on == [eng._thread] and eng._thread is not threading.current_thread()
+            assert eng.generate(input_ids=[1, 2, 3],
+                                sampling_params={**GREEDY, "max_new_tokens": 4})["output_ids"]
+            assert eng.call_in_loop(lambda _: torch.get_num_threads()) == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(Exception, match="missing-adapter"):
+        Engine(model=tiny_llama_dir, max_total_tokens=256,
+               lora_paths=[f"a={tmp_path / 'missing-adapter'}"])
+
+
 # ------------------------------------------------------------------ stop conditions
 def boundary_stop(tokenizer, out_ids: list[int], text: str) -> tuple[str, int]:
     """A 4-character stop string whose first occurrence in ``text`` straddles a token boundary."""

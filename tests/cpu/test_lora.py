@@ -111,11 +111,13 @@ def test_the_batched_lora_matmul_equals_its_reference():
 
 @pytest.mark.parametrize("row_slots,d_in", [
     ([-1, 0, 0, 3, -1, 1, 3, 3, 0], 40),  # ragged: slot 2 unused, rows of none between
-    ([-1, 0, 0, 3, -1, 1, 3, 3, 0], 42),  # rows not 16-byte aligned: a GEMM per slot
+    ([-1, 0, 0, 3, -1, 1, 3, 3, 0], 42),  # rows not 16-byte aligned
+    ([3, -1, 0, 3, 3], 40),  # slots in use not the first ones: weights gathered
+    ([1, 0, -1, 0], 40),  # the first slots: weight views
     ([2, 2, 2], 40),  # one slot, not the first
     ([1], 40),  # one row
     ([-1, -1, -1, -1], 40),  # no row with an adapter
-], ids=["ragged", "unaligned", "one-slot", "one-row", "none"])
+], ids=["ragged", "unaligned", "gathered-slots", "first-slots", "one-slot", "one-row", "none"])
 def test_the_segmented_lora_update_equals_its_reference(row_slots, d_in):
     gen = torch.Generator().manual_seed(1)
     slots, rank, d_out = 5, 8, 24

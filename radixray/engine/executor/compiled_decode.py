@@ -125,7 +125,7 @@ class CompiledDecode:
                 meta["seq_lens"]]
         if batch.lora is not None:
             plan = batch.lora.segments
-            for t in (plan.rows, plan.ends, plan.scales):
+            for t in (plan.gather, plan.slots, plan.scales, plan.places):
                 torch._dynamo.decorators.mark_unbacked(t, 0)
         if batch.batch_size > 1:
             for t in rows:
