@@ -47,6 +47,7 @@ from radixray.bench import (
     save_json,
     workload_header,
 )
+from radixray.common.passing_thread import in_passing_thread
 
 TARGET_MAX_COST = 0.25  # issue 39: 4 adapters cost under a quarter of the base's throughput
 WARMUP_TOKENS = 8
@@ -168,8 +169,8 @@ def run(args) -> dict:
             vocab = base.limits.vocab_size
             prompts = random_token_prompts(n, args.input_len, vocab, args.seed)
             warmup = random_token_prompts(n, args.input_len, vocab, args.seed + 1)
-            paths = write_random_adapters(facts.module, scratch, args.num_adapters,
-                                          args.lora_rank, args.seed)
+            paths = in_passing_thread(write_random_adapters, facts.module, scratch,  # no team
+                                      args.num_adapters, args.lora_rank, args.seed)  # stays
             del facts  # the module: not held past the base engine's shutdown
             rows.append(_measure(base, "base", prompts, warmup, args, None, 0))
         names = sorted(paths)

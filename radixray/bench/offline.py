@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from radixray.bench import random_token_prompts, save_json
 from radixray.bench.roofline import ModelCost, measure_gemm_flops, measure_read_bandwidth
+from radixray.common.passing_thread import in_passing_thread
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +98,11 @@ def run_offline_bench(args, engine_options: dict) -> dict:
                      "decode_steps": args.decode_steps, "weight_bytes": cost.weight_bytes}
     try:
         with tqdm(total=3 + len(batch_sizes), desc="bench offline", unit="stage") as bar:
-            bw = measure_read_bandwidth()
+            # off this thread, whose OpenMP team would slow the engine (common/passing_thread.py)
+            bw = in_passing_thread(measure_read_bandwidth)
             # int8 layers: the compute ceiling is the int8 GEMM rate (attention stays in dtype)
-            gemm = measure_gemm_flops(dtype=torch.int8 if facts.quantization else dtype)
+            gemm = in_passing_thread(measure_gemm_flops,
+                                     dtype=torch.int8 if facts.quantization else dtype)
             results.update(bandwidth_gbs=bw / 1e9, gemm_tflops=gemm / 1e12)
             bar.update(1)
             decode_step_seconds(engine, 1, args.context_len, 4, seed=0)  # warm-up

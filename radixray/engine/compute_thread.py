@@ -8,7 +8,8 @@ paid by every projection of every step. An engine that loaded its model on the c
 thread and stepped on its scheduler thread had two teams; on a 2-CPU host that made a
 batch-1 int8 projection about 86 us instead of 14 us, and a batch-1 decode step 14.3 ms
 instead of 9.8 ms (docs/benchmarks.md). So the model is built, compiled and run on one
-thread, and the thread that constructs the engine runs no parallel region for it.
+thread, and the thread that constructs the engine runs no parallel region for it. (Other
+threads of the process should not either: common/passing_thread.py.)
 """
 
 from __future__ import annotations
