@@ -109,7 +109,6 @@ class Engine(PDVerbs):
                                                  self.weights.exclusive, self.runner.ep)
 
     def _loop(self) -> None:
-        torch.set_num_threads(self.runner.num_threads)  # the runner's choice, on this thread
         try:
             self.scheduler.run_forever(lambda: self._stopping)
         except BaseException as exc:  # noqa: BLE001 - run_forever contains Exceptions; the rest

@@ -15,11 +15,10 @@ router lease held.
 ``on_unread`` once. After the first read the generator's own ``finally`` is in charge
 (``aclose()`` closes it; asyncio finalizes a started generator that is dropped).
 
-A response body (:func:`response_stream`) also closes its requests' streams itself when
-it is closed: the body reads them through further generators (the frontend's
-interleaving), which closing the body leaves suspended until the garbage collector and
-the event loop get to them, and a request must not run on after its client went away
-for as long as that takes.
+A response body that reads its streams through a further generator (the frontend's
+interleaving) must close that generator in its own ``finally`` (``contextlib.aclosing``):
+left suspended, it would be closed only when the garbage collector and the event loop get
+to it, and its requests would run on after their client went away until then.
 """
 
 from __future__ import annotations
@@ -34,10 +33,8 @@ class ClosingStream:
     """An async iterator over ``gen`` that runs ``on_unread`` (synchronous, may not raise)
     if it is closed or dropped before anything was read from it."""
 
-    def __init__(self, gen: AsyncIterator, on_unread: Callable[[], None],
-                 closes: Iterable = ()):
-        """``closes``: streams that ``aclose()`` closes after ``gen`` (read from or not)."""
-        self._gen, self._on_unread, self._closes = gen, on_unread, list(closes)
+    def __init__(self, gen: AsyncIterator, on_unread: Callable[[], None]):
+        self._gen, self._on_unread = gen, on_unread
         self._started = self._discarded = False
 
     def __aiter__(self) -> ClosingStream:
@@ -62,14 +59,7 @@ class ClosingStream:
     async def aclose(self) -> None:
         if not self._started:
             self.discard()
-        try:
-            await self._gen.aclose()
-        finally:
-            for s in self._closes:
-                try:
-                    await s.aclose()
-                except Exception:  # noqa: BLE001 - the others still close
-                    logger.exception("closing a request's update stream failed")
+        await self._gen.aclose()
 
     def __del__(self) -> None:
         self.discard()
@@ -84,6 +74,7 @@ def discard_all(streams: Iterable) -> None:
 
 
 def response_stream(body: AsyncIterator, streams: list) -> ClosingStream:
-    """A streamed response's body over its requests' update ``streams``: closing it, or
-    dropping it unread, ends every request still running (and so frees its KV) at once."""
-    return ClosingStream(body, lambda: discard_all(streams), closes=streams)
+    """A streamed response's ``body`` over its requests' update ``streams``: dropped or closed
+    unread, it gives up every stream (which aborts the requests); read from, ``body``'s own
+    ``finally`` closes them (the module docstring)."""
+    return ClosingStream(body, lambda: discard_all(streams))

@@ -119,7 +119,7 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         elif config.tp_size > 1:  # the group's ranks share this machine's cores
             torch.set_num_threads(max(1, torch.get_num_threads() // config.tp_size))
-        self.num_threads = torch.get_num_threads()  # the scheduler thread sets this count too
+        self.num_threads = torch.get_num_threads()  # a forward thread of its own sets it too
         hf = source.config
         self.hf_config = hf
         self.vocab_size = hf.vocab_size
