@@ -6,9 +6,12 @@ A batch mixes requests of several adapters and of none. Row ``t`` uses the adapt
 
     y[t] = base[t] + scalings[s] * (x[t] @ A[s].T) @ B[s].T     (s = row_slots[t] >= 0)
 
-:func:`lora_add_reference` computes it row by row (the reference); :func:`lora_add` groups
-the rows by slot once per batch (:class:`LoraRows`) and runs two GEMMs per distinct adapter,
-so its cost grows with the number of adapters in the batch, not the number of rows.
+:func:`lora_add_reference` computes it row by row (the reference); :func:`lora_add` plans
+the rows once per batch (:class:`LoraRows`): a long run of consecutive rows of one adapter
+(a prefill chunk of one request) runs its two GEMMs on views of the batch and adds into
+``base`` in place, with no gather or scatter; the other rows (decode riders, short chunks)
+are grouped by slot, two GEMMs per distinct adapter, so the cost grows with the number of
+adapters and runs in the batch, not the number of rows.
 
 :func:`lora_add_segments` is the decode form: one opaque op (``radixray_lora::add_segments``,
 with a shape-only fake) that torch.compile keeps as a single call in a compiled decode
@@ -23,28 +26,48 @@ earlier form. (The forms tried and their times: docs/benchmarks.md.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+# Rows of one adapter in a row at least this long run as a view of the batch: below it, the
+# GEMMs of many short runs cost more than gathering their rows with the others of their slot.
+MIN_RUN_ROWS = 16
 
 
 @dataclass
 class LoraRows:
-    """The rows of a packed batch grouped by adapter slot: ``groups[i] = (slot, rows)``, the
-    rows an int64 index tensor, or None when that slot covers every row of the batch (no
-    gather or scatter needed). Built once per forward pass; every LoRA layer reuses it."""
+    """The rows of a packed batch planned once per forward pass; every LoRA layer reuses it.
+    ``runs``: ``(slot, start, end)`` for each run of at least :data:`MIN_RUN_ROWS`
+    consecutive rows of one adapter (updated through views). ``groups``: the remaining rows
+    with an adapter, ``(slot, rows)`` per slot, the rows an int64 index tensor, or None when
+    that slot covers every row of a batch too short for a run (no gather or scatter)."""
 
     groups: list[tuple[int, torch.Tensor | None]]
     num_rows: int
+    runs: list[tuple[int, int, int]] = field(default_factory=list)
 
     @classmethod
     def of(cls, row_slots: torch.Tensor) -> LoraRows:
-        """Group ``row_slots`` ``[T]`` (-1: no adapter)."""
+        """Plan ``row_slots`` ``[T]`` (-1: no adapter)."""
         n = int(row_slots.numel())
-        slots = [int(s) for s in torch.unique(row_slots).tolist() if s >= 0]
-        if len(slots) == 1 and bool((row_slots == slots[0]).all()):
-            return cls([(slots[0], None)], n)
-        return cls([(s, (row_slots == s).nonzero().flatten()) for s in slots], n)
+        if n == 0:
+            return cls([], 0)
+        change = (row_slots[1:] != row_slots[:-1]).nonzero().flatten() + 1
+        bounds = [0, *change.tolist(), n]
+        starts = torch.tensor(bounds[:-1])
+        runs = [(slot, start, end) for slot, start, end
+                in zip(row_slots[starts].tolist(), bounds[:-1], bounds[1:])
+                if slot >= 0 and end - start >= MIN_RUN_ROWS]
+        rest = row_slots
+        if runs:
+            rest = row_slots.clone()
+            for _, start, end in runs:
+                rest[start:end] = -1
+        slots = [int(s) for s in torch.unique(rest).tolist() if s >= 0]
+        if len(slots) == 1 and bool((rest == slots[0]).all()):
+            return cls([(slots[0], None)], n, runs)
+        return cls([(s, (rest == s).nonzero().flatten()) for s in slots], n, runs)
 
 
 def lora_add(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -52,16 +75,25 @@ def lora_add(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
     """``base`` ``[T, out]`` plus each row's adapter update of ``x`` ``[T, in]`` (see the module
     docstring); ``a`` ``[slots, r, in]``, ``b`` ``[slots, out, r]``, ``scalings`` ``[slots]``
     (a CPU float tensor). Adds into ``base`` in place and returns it."""
+    for slot, start, end in rows.runs:
+        _add_rows(base[start:end], x[start:end], a[slot], b[slot], float(scalings[slot]))
     for slot, idx in rows.groups:
         scale = float(scalings[slot])
-        if idx is None and base.dtype == a.dtype:
-            base.addmm_(x @ a[slot].T, b[slot].T, alpha=scale)  # the add in the GEMM
-        elif idx is None:
-            base.add_((x @ a[slot].T) @ b[slot].T, alpha=scale)
+        if idx is None:
+            _add_rows(base, x, a[slot], b[slot], scale)
         else:
             delta = (x.index_select(0, idx) @ a[slot].T) @ b[slot].T
             base.index_add_(0, idx, delta.to(base.dtype), alpha=scale)
     return base
+
+
+def _add_rows(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+              scale: float) -> None:
+    """``base += scale * (x @ a.T) @ b.T`` in place (``base`` may be a view of the batch)."""
+    if base.dtype == a.dtype:
+        base.addmm_(x @ a.T, b.T, alpha=scale)  # the add in the GEMM
+    else:
+        base.add_((x @ a.T) @ b.T, alpha=scale)
 
 
 @dataclass

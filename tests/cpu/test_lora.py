@@ -22,6 +22,7 @@ from model_fixtures import (
 
 from radixray import Engine
 from radixray.kernels.lora import (
+    MIN_RUN_ROWS,
     LoraRows,
     LoraSegments,
     lora_add,
@@ -102,11 +103,42 @@ def test_the_batched_lora_matmul_equals_its_reference():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got[row_slots < 0], base[row_slots < 0])  # no adapter: untouched
     same = torch.full((rows,), 1)
-    rows_all = LoraRows.of(same)
-    assert rows_all.groups == [(1, None)]  # one adapter everywhere: no gather
-    torch.testing.assert_close(lora_add(base.clone(), x, a, b, scalings, rows_all),
-                               lora_add_reference(base, x, a, b, scalings, same),
+    rows_all = LoraRows.of(same[:MIN_RUN_ROWS - 1])
+    assert rows_all.groups == [(1, None)] and not rows_all.runs  # one adapter: no gather
+    torch.testing.assert_close(lora_add(base[:MIN_RUN_ROWS - 1].clone(), x[:MIN_RUN_ROWS - 1],
+                                        a, b, scalings, rows_all),
+                               lora_add_reference(base[:MIN_RUN_ROWS - 1], x[:MIN_RUN_ROWS - 1],
+                                                  a, b, scalings, same[:MIN_RUN_ROWS - 1]),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_a_long_run_of_one_adapter_is_updated_in_place_and_the_rest_grouped():
+    """A prefill chunk (a run of one adapter) beside decode riders of several: the run's
+    update goes through views, the riders' through their slots' groups; both equal the
+    reference, rows without an adapter untouched."""
+    gen = torch.Generator().manual_seed(2)
+    slots, rank, d_in, d_out = 4, 8, 40, 24
+    a = torch.randn(slots, rank, d_in, generator=gen)
+    b = torch.randn(slots, d_out, rank, generator=gen)
+    scalings = torch.tensor([0.5, 2.0, 1.25, 1.0])
+    riders = [2, -1, 0, 2, 1, -1]
+    run = [3] * MIN_RUN_ROWS
+    short = [0] * (MIN_RUN_ROWS - 1)  # one row short of a run: grouped with slot 0's riders
+    row_slots = torch.tensor(riders + run + short + [1] * (MIN_RUN_ROWS + 3))
+    x = torch.randn(len(row_slots), d_in, generator=gen)
+    base = torch.randn(len(row_slots), d_out, generator=gen)
+    plan = LoraRows.of(row_slots)
+    r0 = len(riders)
+    r1 = r0 + MIN_RUN_ROWS + len(short)
+    assert plan.runs == [(3, r0, r0 + MIN_RUN_ROWS), (1, r1, len(row_slots))]
+    assert [slot for slot, _ in plan.groups] == [0, 1, 2]
+    assert plan.groups[0][1].tolist() == [2, *range(r0 + MIN_RUN_ROWS, r1)]
+    got = lora_add(base.clone(), x, a, b, scalings, plan)
+    torch.testing.assert_close(got, lora_add_reference(base, x, a, b, scalings, row_slots),
+                               rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[row_slots < 0], base[row_slots < 0])
+    whole = LoraRows.of(torch.full((MIN_RUN_ROWS,), 2))
+    assert whole.runs == [(2, 0, MIN_RUN_ROWS)] and whole.groups == []
 
 
 @pytest.mark.parametrize("row_slots,d_in", [
