@@ -34,13 +34,21 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
-async def _json_without_content_type(request: Request, call_next):
-    """Read POST bodies as JSON whatever their Content-Type (``curl -d`` sends a form type),
-    as SGLang's endpoints do; a body that is not JSON still gets the malformed-JSON 400."""
-    if request.method == "POST":
-        headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
-        request.scope["headers"] = headers + [(b"content-type", b"application/json")]
-    return await call_next(request)
+class JsonWithoutContentType:
+    """Pure ASGI middleware: POST bodies are read as JSON whatever their Content-Type
+    (``curl -d`` sends a form type), as SGLang's endpoints do; a body that is not JSON still
+    gets the malformed-JSON 400. It only rewrites the request's headers, so a streamed
+    response passes through untouched (``app.middleware("http")`` would relay every chunk
+    through a task and a memory stream of its own, a cost paid per streamed token)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("method") == "POST":
+            headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-type"]
+            scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
 
 
 async def _on_validation_error(request: Request, exc: RequestValidationError):
@@ -67,7 +75,7 @@ async def _on_unexpected(request: Request, exc: Exception):
 
 def install_error_handlers(app: FastAPI) -> None:
     """Register the handlers and the JSON-body middleware of this module on ``app``."""
-    app.middleware("http")(_json_without_content_type)
+    app.add_middleware(JsonWithoutContentType)
     app.exception_handler(RequestValidationError)(_on_validation_error)
     app.exception_handler(ApiError)(_on_api_error)
     app.exception_handler(BodyTooLarge)(_on_body_too_large)
