@@ -22,8 +22,9 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from radixray.actors.weight_rollout import run_fleet_update
+from radixray.actors.weight_rollout import FleetUpdateFailed, run_fleet_update
 from radixray.cluster.errors import unwrap_ray_error
+from radixray.cluster.metrics import WeightUpdateMetrics
 from radixray.cluster.weight_sources import DiskWeights, WeightSource
 from radixray.engine.weights.lora_options import parse_lora_path
 from radixray.engine.weights.version import (
@@ -90,13 +91,14 @@ class FleetAdapters:
 
     async def update(self, records, source: WeightSource, lora_version: WeightVersion | None,
                      pause_mode: str | None, release: list[str], keep_paused: bool,
-                     lock: asyncio.Lock) -> dict:
+                     lock: asyncio.Lock, metrics: WeightUpdateMetrics) -> dict:
         """Update adapter ``source.lora_name`` on every live worker (``records``), all or none,
         through weight-update sessions (actors/weight_rollout.py, under ``lock``: one fleet
         update at a time), as ``lora_version`` (None: the adapter's next int). ValueError
         naming an unknown adapter and VersionRefused before anything starts;
         FleetUpdateFailed with every worker on the old adapter. On success the fleet
-        records the version and how a worker started later gets the same weights."""
+        records the version and how a worker started later gets the same weights. Its
+        phases and outcome go to ``metrics`` (the fleet's, as ``target="adapter"``)."""
         name = source.lora_name
         if name not in self.adapters:
             raise ValueError(f"unknown LoRA adapter {name!r}; the fleet serves "
@@ -105,9 +107,16 @@ class FleetAdapters:
         version = check_version(default_version(record.floor) if lora_version is None
                                 else lora_version, record.floor,
                                 f"the greatest integer version adapter {name!r} served so far")
+        phases: dict[str, float] = {}
         async with lock:
-            result = await run_fleet_update({r.worker_id: r.handle for r in records}, source,
-                                            version, pause_mode, list(release), keep_paused)
+            try:
+                result = await run_fleet_update({r.worker_id: r.handle for r in records}, source,
+                                                version, pause_mode, list(release), keep_paused,
+                                                phases)
+            except FleetUpdateFailed:
+                metrics.observe(phases, ok=False, target="adapter")
+                raise
+            metrics.observe(phases, ok=True, target="adapter")
         replay = record.replay
         if isinstance(source, DiskWeights) and not source.path.endswith(".safetensors"):
             self.adapters[name], replay = source.path, []  # a whole adapter: start from it

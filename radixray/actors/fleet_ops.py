@@ -294,7 +294,7 @@ class FleetOperations:
             try:
                 return await self.adapters.update(self.registry.live(), source, weight_version,
                                                   pause_mode, list(release_memory), keep_paused,
-                                                  self.weights.lock)
+                                                  self.weights.lock, self.weights.metrics)
             finally:
                 self._checkpoint()
         result = await self.weights.update(self.registry.live(), source, weight_version,

@@ -1,6 +1,7 @@
 """One weight update across every live worker, all or none (the controller runs it).
 
-Phases, each timed (returned and exported as ``radixray:weight_update_phase_seconds``):
+Phases, each timed (returned and exported as ``radixray:weight_update_phase_seconds``,
+``target`` model, or adapter for a LoRA adapter's update):
 
 1. ``pause``: every worker pauses in the chosen mode (``retract`` by default; ``None``
    skips it: the new weights then go live between two steps, as after ``in_place``);

@@ -358,24 +358,30 @@ UPDATE_PHASE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 6
 
 
 class WeightUpdateMetrics:
-    """Fleet-wide weight updates (kept by the controller): seconds per phase and outcomes."""
+    """Fleet-wide weight updates (kept by the controller): seconds per phase and outcomes,
+    by ``target``: ``model`` (the base weights) or ``adapter`` (one LoRA adapter's)."""
+
+    TARGETS = ("model", "adapter")
 
     def __init__(self):
         self.registry = CollectorRegistry(auto_describe=True)
         self.phase = Histogram(PREFIX + "weight_update_phase_seconds", "Seconds each phase of a "
                                "fleet-wide weight update took (pause, release, transfer, load, "
-                               "commit, resume; load = fill and repack, commit = swap in).",
-                               ["phase"], buckets=UPDATE_PHASE_BUCKETS, registry=self.registry)
-        self.updates = Counter(PREFIX + "weight_updates", "Fleet-wide weight updates by result "
-                               "(ok, or failed: every worker kept the old weights).", ["result"],
+                               "commit, resume; load = fill and repack, commit = swap in), by "
+                               "target: model (the base weights) or adapter (a LoRA adapter).",
+                               ["phase", "target"], buckets=UPDATE_PHASE_BUCKETS,
                                registry=self.registry)
-        for result in ("ok", "failed"):  # both series exist from the start (0), for alerts
-            self.updates.labels(result)
+        self.updates = Counter(PREFIX + "weight_updates", "Fleet-wide weight updates by result "
+                               "(ok, or failed: every worker kept the old weights) and target "
+                               "(model or adapter).", ["result", "target"], registry=self.registry)
+        for result in ("ok", "failed"):  # every series exists from the start (0), for alerts
+            for target in self.TARGETS:
+                self.updates.labels(result, target)
 
-    def observe(self, phases: dict[str, float], ok: bool) -> None:
+    def observe(self, phases: dict[str, float], ok: bool, target: str = "model") -> None:
         for phase, seconds in phases.items():
-            self.phase.labels(phase).observe(seconds)
-        self.updates.labels("ok" if ok else "failed").inc()
+            self.phase.labels(phase, target).observe(seconds)
+        self.updates.labels("ok" if ok else "failed", target).inc()
 
     def families(self) -> list[Metric]:
         return list(self.registry.collect())

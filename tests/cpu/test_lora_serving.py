@@ -12,7 +12,7 @@ every worker through weight-update sessions, under the adapter's own version.
 import httpx
 import pytest
 from model_fixtures import assert_greedy_equal, hf_greedy, merged_hf
-from serving_helpers import free_port, served, tiny_config
+from serving_helpers import free_port, metric, served, tiny_config
 
 NEW_TOKENS = 8
 GREEDY = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
@@ -142,6 +142,14 @@ def test_an_adapter_update_session_from_disk_reaches_every_worker(server, lora_a
               str(tmp_path / "delta.safetensors"))  # some of alpha's tensors
     before = {w: (_on_worker(server, w, ids), _on_worker(server, w, ids, "alpha"))
               for w in ("worker-0", "worker-1")}
+
+    def counts():
+        page = httpx.get(f"{server}/metrics", timeout=60).text
+        return (metric(page, "radixray:weight_updates_total", result="ok", target="adapter"),
+                metric(page, "radixray:weight_update_phase_seconds_count", phase="commit",
+                       target="adapter"),
+                metric(page, "radixray:weight_updates_total", target="model"))
+    counted = counts()
     r = httpx.post(f"{server}/update_weights_from_disk", json={
         "model_path": str(tmp_path / "delta.safetensors"), "lora_name": "alpha",
         "weight_version": "rl-3", "pause_mode": None}, timeout=120)
@@ -167,3 +175,6 @@ def test_an_adapter_update_session_from_disk_reaches_every_worker(server, lora_a
     assert r.status_code == 200 and r.json()["lora_version"] == 1, r.text
     for w, (_, alpha) in before.items():
         assert _on_worker(server, w, ids, "alpha")["output_ids"] == alpha["output_ids"]
+    # both adapter updates are in the fleet's weight-update metrics, apart from the model's
+    ok, commits, model = counts()
+    assert (ok - counted[0], commits - counted[1], model - counted[2]) == (2, 2, 0)
