@@ -132,7 +132,7 @@ class Controller(FleetOperations):
             records = [self.registry.add(i, role)
                        for i, role in enumerate(self.cfg.slot_roles())]
         if self.scaler is not None:
-            self.scaler.adopt(records)
+            self.scaler.adopt(records, getattr(saved, "retiring", frozenset()))
         adopted = 0
         for group in self._groups(records):
             for rec in group:
@@ -162,6 +162,7 @@ class Controller(FleetOperations):
                     bundles if any(bundles) else "(no bundle)")
         self._spawn(self._health_loop())
         if self.scaler is not None:
+            self.scaler.resume_retiring(records)
             self._spawn(self.scaler.run())
         await self._publish()
 
@@ -186,7 +187,8 @@ class Controller(FleetOperations):
             weight_version_floor=self.weights.floor, lora_adapters=dict(self.adapters.adapters),
             lora_updates=dict(self.adapters.updates),
             layout={r.worker_id: (r.index, r.role, r.placement_group) for r in self.registry}
-            if self.scaler is not None else None))
+            if self.scaler is not None else None,
+            retiring=frozenset(r.worker_id for r in self.registry if r.retiring)))
 
     def _owner_name(self) -> tuple[str, str]:
         """(name, namespace) under which the fleet's actors find their controller."""

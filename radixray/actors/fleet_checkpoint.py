@@ -7,7 +7,8 @@ draining flag, weight version, KV endpoint). What only the controller knew is wr
 here after every change of the fleet, the way Ray Serve's own controller checkpoints
 into the GCS key-value store: the placement group the workers live in (its own, or a
 GRPO job's it adopted), each slot's incarnation and restart count, the fleet's weight
-version with the update a restarted worker replays, and whether the whole fleet drains.
+version with the update a restarted worker replays, whether the whole fleet drains, and
+which workers the autoscaler was draining away (the next controller finishes that).
 
 The checkpoint is small (a few hundred bytes plus the pickled placement group) and is
 deleted when the fleet stops on purpose.
@@ -41,6 +42,7 @@ class FleetCheckpoint:
     layout: dict[str, tuple[int, str, object]] | None = None
     lora_adapters: dict[str, str] | None = None  # the fleet's LoRA adapters (None: as configured)
     lora_updates: dict | None = None  # adapter -> fleet_lora.AdapterUpdates (their versions)
+    retiring: frozenset = frozenset()  # workers the autoscaler was draining away
 
 
 def _key(controller_name: str) -> bytes:

@@ -51,9 +51,23 @@ class FleetScaler:
         self.decisions: deque[dict] = deque(maxlen=HISTORY)
         self.removals: deque[dict] = deque(maxlen=HISTORY)
 
-    def adopt(self, records: list[WorkerRecord]) -> None:
-        """The fleet's starting (or rebuilt) slots are known: new ones number after them."""
+    def adopt(self, records: list[WorkerRecord], retiring=frozenset()) -> None:
+        """The fleet's starting (or rebuilt) slots are known: new ones number after them.
+        ``retiring``: the workers a restarted controller's checkpoint says were being drained
+        away (never restarted, not counted as their role's; :meth:`resume_retiring`)."""
         self.next_index = max((r.index + 1 for r in records), default=0)
+        for rec in records:
+            rec.retiring = rec.worker_id in retiring
+
+    def resume_retiring(self, records: list[WorkerRecord]) -> None:
+        """After a controller restart: drain away, again, the workers the last controller
+        was retiring (``retiring`` came back from the checkpoint); each is adopted still
+        draining, and its requests in flight keep their time to finish."""
+        for rec in records:
+            if rec.retiring:
+                logger.info("autoscaling %s: resuming the drain of %s (a controller restart)",
+                            rec.role, rec.worker_id)
+                self.host._spawn(self._retire(rec))
 
     async def run(self) -> None:
         await every(self.settings.decision_interval_s, self.step, "autoscaling round")

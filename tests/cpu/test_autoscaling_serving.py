@@ -103,67 +103,93 @@ def _controller_log_lines(pattern: str) -> list[str]:
     return out
 
 
-def test_a_burst_adds_a_worker_and_the_lull_drains_it_away(tiny_llama_dir):
-    config = _config(tiny_llama_dir)
-    with served(config) as base:
+class HeldFleet:
+    """The fleet at 2 workers by a burst held on worker-0, then a trickle of 3 requests
+    held in flight on worker-1 (a session pinned to it, the worker paused in place): the
+    autoscaler drains worker-1 away with them in flight. ``trickled_on``: the worker of
+    each trickle request that finished."""
+
+    def __init__(self, base: str, cfg: ServeConfig):
+        self.base, self.cfg = base, cfg
+        self.burst, self.trickle, self.trickled_on = Load(), Load(), []
+
+    def worker(self, worker_id: str):
         import ray
-        assert [w["worker_id"] for w in _fleet(base)["workers"]] == ["worker-0"]
-        cfg = ServeConfig.parse(config)
+        return ray.get_actor(self.cfg.worker_name(worker_id), namespace=self.cfg.namespace)
 
-        def worker(worker_id: str):
-            return ray.get_actor(cfg.worker_name(worker_id), namespace=cfg.namespace)
+    def inflight(self, worker_id: str) -> int:
+        import ray
+        return ray.get(self.worker(worker_id).load.remote()).inflight
 
-        def inflight(worker_id: str) -> int:
-            return ray.get(worker(worker_id).load.remote()).inflight
+    def long_request(self, c, i, session: str | None = None):
+        r = c.post(f"{self.base}/generate", headers={"X-Session-Id": session} if session else {},
+                   json={"text": f"long {i}", "sampling_params": {"max_new_tokens": 1000,
+                                                                 "ignore_eos": True}})
+        if r.status_code == 200 and session is not None:
+            self.trickled_on.append(r.json()["meta_info"]["worker_id"])
+        return r.status_code
 
-        burst, trickle, trickled_on = Load(), Load(), []
-
-        def long_request(c, i, session: str | None = None):
-            r = c.post(f"{base}/generate", headers={"X-Session-Id": session} if session else {},
-                       json={"text": f"long {i}", "sampling_params": {"max_new_tokens": 1000,
-                                                                     "ignore_eos": True}})
-            if r.status_code == 200 and session is not None:
-                trickled_on.append(r.json()["meta_info"]["worker_id"])
-            return r.status_code
+    def hold(self) -> list[int]:
+        """Scale to 2 and hold the trickle on worker-1; the burst's statuses."""
+        import ray
+        base = self.base
         # The burst: 8 concurrent requests, held in flight on worker-0 (paused in place,
         # as a worker with a backlog) so the load the autoscaler sees does not hang on how
         # fast this machine is: 8 in flight against a target of 4 per worker needs 2.
-        ray.get(worker("worker-0").pause_generation.remote("in_place"))
+        ray.get(self.worker("worker-0").pause_generation.remote("in_place"))
         try:
-            burst.start(8, long_request, once=True)
+            self.burst.start(8, self.long_request, once=True)
             _wait("a second worker ready", lambda: [
                 w for w in _fleet(base)["workers"]
                 if w["worker_id"] == "worker-1" and w["state"] == "ready"])
             # While the burst holds the fleet at 2, hold a trickle of requests in flight on
             # the new worker the same way (a session pinned to it).
             session = _session_on(base, "worker-1")
-            ray.get(worker("worker-1").pause_generation.remote("in_place"))
-            trickle.start(3, lambda c, i: long_request(c, i, session))
-            _wait("3 requests held on worker-1", lambda: inflight("worker-1") >= 3)
+            ray.get(self.worker("worker-1").pause_generation.remote("in_place"))
+            self.trickle.start(3, lambda c, i: self.long_request(c, i, session))
+            _wait("3 requests held on worker-1", lambda: self.inflight("worker-1") >= 3)
         finally:
-            ray.get(worker("worker-0").continue_generation.remote())
-            statuses = burst.finish()
+            ray.get(self.worker("worker-0").continue_generation.remote())
+            statuses = self.burst.finish()
+        return statuses
+
+    def release(self) -> list[int]:
+        """Let worker-1's requests go (if it still runs); the trickle's statuses."""
+        import ray
+        try:
+            ray.get(self.worker("worker-1").continue_generation.remote())
+        except Exception:  # noqa: BLE001 - stopped already: nothing held
+            pass
+        return self.trickle.finish()
+
+
+def _removal(base: str, worker_id: str, done: bool) -> list[dict]:
+    """The autoscaler's removal record of ``worker_id`` (finished or not), or []."""
+    return [r for r in _fleet(base)["autoscaling"]["removals"]
+            if r["worker_id"] == worker_id and (r["seconds"] is not None) == done]
+
+
+def test_a_burst_adds_a_worker_and_the_lull_drains_it_away(tiny_llama_dir):
+    config = _config(tiny_llama_dir)
+    with served(config) as base:
+        import ray
+        assert [w["worker_id"] for w in _fleet(base)["workers"]] == ["worker-0"]
+        cfg = ServeConfig.parse(config)
+        held = HeldFleet(base, cfg)
+        worker, trickled_on = held.worker, held.trickled_on
+        statuses = held.hold()
         try:
             # 3 requests in flight on 2 workers, target 4: one worker is enough; the last
             # one added (worker-1) drains with its 3 requests held in flight ...
-            removal = _wait("worker-1 draining away", lambda: [
-                r for r in _fleet(base)["autoscaling"]["removals"]
-                if r["worker_id"] == "worker-1"])[0]
-            assert removal["seconds"] is None  # it waits for its requests
+            removal = _wait("worker-1 draining away", lambda: _removal(base, "worker-1", False))[0]
             assert [w["state"] for w in _fleet(base)["workers"]
                     if w["worker_id"] == "worker-1"] == ["draining"]
             ray.get(worker("worker-1").continue_generation.remote())
             # ... which finish; then it stops
-            removal = _wait("worker-1 drained away", lambda: [
-                r for r in _fleet(base)["autoscaling"]["removals"]
-                if r["worker_id"] == "worker-1" and r["seconds"] is not None])[0]
+            removal = _wait("worker-1 drained away", lambda: _removal(base, "worker-1", True))[0]
             _wait("the trickle served by worker-0", lambda: trickled_on[-1:] == ["worker-0"])
         finally:
-            try:
-                ray.get(worker("worker-1").continue_generation.remote())
-            except Exception:  # noqa: BLE001 - stopped already: nothing held
-                pass
-            statuses += trickle.finish()
+            statuses += held.release()
         assert statuses and all(s == 200 for s in statuses), sorted(set(statuses))
         assert removal["inflight_at_drain"] >= 3 and removal["aborted"] == 0
         state = _fleet(base)
@@ -222,3 +248,47 @@ def _fleet_or_none(base: str) -> dict | None:
     except httpx.HTTPError:
         return None
     return r.json() if r.status_code == 200 else None
+
+
+def test_a_controller_restart_mid_drain_finishes_the_drain(tiny_llama_dir):
+    """The controller dies while the autoscaler drains worker-1 away with requests in
+    flight; the controller Ray restarts reads its checkpoint, adopts worker-1 still
+    draining, and finishes the drain: the requests finish, worker-1 stops, its placement
+    group is released, and it is not started again."""
+    config = _config(tiny_llama_dir)
+    with served(config) as base:
+        import ray
+        cfg = ServeConfig.parse(config)
+        held = HeldFleet(base, cfg)
+        statuses = held.hold()
+        try:
+            _wait("worker-1 draining away", lambda: _removal(base, "worker-1", False))
+            controller = ray.get_actor(cfg.controller_name(), namespace=cfg.namespace)
+            before = ray.get(controller.__ray_call__.remote(lambda self: os.getpid()))
+            ray.kill(controller, no_restart=False)
+
+            def restarted():
+                try:
+                    pid = ray.get(ray.get_actor(cfg.controller_name(), namespace=cfg.namespace)
+                                  .__ray_call__.remote(lambda self: os.getpid()), timeout=10)
+                    return pid != before and _removal(base, "worker-1", False)
+                except Exception:  # noqa: BLE001 - not restarted yet
+                    return False
+            _wait("the restarted controller draining worker-1 away", restarted)
+            states = {w["worker_id"]: w["state"] for w in _fleet(base)["workers"]}
+            assert states == {"worker-0": "ready", "worker-1": "draining"}, states
+            assert held.inflight("worker-1") >= 3  # still held, not aborted
+            ray.get(held.worker("worker-1").continue_generation.remote())
+            removal = _wait("worker-1 drained away", lambda: _removal(base, "worker-1", True))[0]
+        finally:
+            statuses += held.release()
+        assert statuses and all(s == 200 for s in statuses), sorted(set(statuses))
+        assert removal["inflight_at_drain"] >= 3 and removal["aborted"] == 0
+        assert [(w["worker_id"], w["state"]) for w in _fleet(base)["workers"]] == [
+            ("worker-0", "ready")]
+        groups = {g["name"]: g["state"] for g in ray.util.placement_group_table().values()}
+        mine = {"-".join(n.split("-")[-2:]): s for n, s in groups.items()
+                if "-controller-" in n}
+        assert mine == {"worker-0": "CREATED", "worker-1": "REMOVED"}, groups
+        with pytest.raises(ValueError):  # stopped for good, not restarted by the health loop
+            held.worker("worker-1")
