@@ -215,9 +215,11 @@ def test_a_worker_started_after_an_adapter_update_from_disk_catches_up(
 
     from radixray import Engine
     from radixray.actors.fleet_lora import FleetAdapters
+    from radixray.cluster.metrics import WeightUpdateMetrics
     old = load_file(f"{lora_adapters['alpha']}/adapter_model.safetensors")
     save_file({n: 3 * t for n, t in old.items() if ".lora_B." in n}, str(tmp_path / "d.safetensors"))
     fleet = FleetAdapters({"alpha": lora_adapters["alpha"]})
+    metrics = WeightUpdateMetrics()
     greedy = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
 
     def start():
@@ -232,19 +234,22 @@ def test_a_worker_started_after_an_adapter_update_from_disk_catches_up(
         was = alpha(first)
         out = _run(fleet.update([Rec("w0", LocalWorker(first))],
                                 DiskWeights(str(tmp_path / "d.safetensors"), lora_name="alpha"),
-                                "rl-1", None, [], False, asyncio.Lock()))
+                                "rl-1", None, [], False, asyncio.Lock(), metrics))
         assert (out["lora_version"], out["workers"]) == ("rl-1", ["w0"])
         now = alpha(first)
         assert now[1] == "rl-1" and now[0] != was[0] and first.get_weight_version() == 0
         with pytest.raises(VersionRefused, match="adapter 'alpha'"):
             _run(fleet.update([Rec("w0", LocalWorker(first))],
                               DiskWeights(lora_adapters["alpha"], lora_name="alpha"), 0, None,
-                              [], False, asyncio.Lock()))
+                              [], False, asyncio.Lock(), metrics))
         with start() as later:
             _run(fleet.catch_up(Rec("w1", LocalWorker(later))))
             assert alpha(later) == now
         _run(fleet.update([Rec("w0", LocalWorker(first))],
                           TensorWeights(payload=old, lora_name="alpha"), 2, None, [], False,
-                          asyncio.Lock()))
+                          asyncio.Lock(), metrics))
         assert alpha(first) == (was[0], 2)
+        # the two updates that ran are counted as the adapter's; the refused one never started
+        assert metrics.updates.labels("ok", "adapter")._value.get() == 2
+        assert metrics.updates.labels("ok", "model")._value.get() == 0
         assert fleet.updates["alpha"].replay is None  # a later worker cannot repeat it
