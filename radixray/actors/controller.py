@@ -382,7 +382,9 @@ class Controller(FleetOperations):
                 self._spawn(self._replace(rec))
         if changed or (self.cfg.fleet.disaggregated and not self.pd.ready_in(self.registry)):
             await self._publish()  # a disaggregated fleet also retries its handshake
+        sampled = time.monotonic()
         await asyncio.gather(*(self._refresh_load(r) for r in self.registry.live()))
+        await self.adapters.report_held(self.router, self.registry.live(), sampled)
 
     async def _watch(self, rec: WorkerRecord, generation: int) -> None:
         """Keep one ``wait_until_failed`` call open on a ready worker: it returns when the

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 from radixray.actors.weight_rollout import FleetUpdateFailed, run_fleet_update
@@ -129,6 +130,19 @@ class FleetAdapters:
                     len(records))
         result.pop("weight_version")
         return {"lora_name": name, "lora_version": version, **result}
+
+    async def report_held(self, router, records, sampled_at: float) -> None:
+        """Pass on to ``router`` the adapters each of ``records`` (live workers, their loads
+        refreshed since ``time.monotonic()`` was ``sampled_at``) holds in its slots or queue,
+        so the router's adapter affinity follows the workers rather than only its own picks.
+        Nothing while the fleet serves no adapter; an unreachable router misses one report."""
+        if not self.adapters or router is None:
+            return
+        held = {r.worker_id: list(r.load.adapters_held) for r in records if r.load is not None}
+        try:
+            await router.set_adapters_held.remote(held, time.monotonic() - sampled_at)
+        except Exception as exc:  # noqa: BLE001 - a restarting router asks for the workers
+            logger.debug("adapter report not delivered to the router: %s", unwrap_ray_error(exc))
 
     async def catch_up(self, rec) -> None:
         """Bring a just-started worker's adapters (loaded from :meth:`engine_options`) to the

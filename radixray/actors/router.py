@@ -141,6 +141,11 @@ class RouterActor:
             logger.info("router forgot the prefixes of %s (new weight version)", ", ".join(changed))
         return changed
 
+    async def set_adapters_held(self, held: dict[str, list[str]], age_s: float = 0.0) -> None:
+        """The workers' reports of the LoRA adapters they hold (Router.set_adapters_held)."""
+        self.router.set_adapters_held(held, age_s)
+        self.decode.set_adapters_held(held, age_s)
+
     async def forget_prefixes(self) -> None:
         self.router.forget_prefixes()
 

@@ -24,6 +24,7 @@ import math
 import random
 import re
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from radixray.bench import datasets, fleet_sampler
@@ -98,15 +99,19 @@ def phase_summaries(records: list[RequestRecord], phase_of: dict[int, int],
                     slo_tpot_ms: float | None = None) -> list[dict]:
     """One summary per phase of the records whose request (``record.index``) ``phase_of``
     places in it: :func:`summarize` over the phase's length, plus ``phase``, ``rate``,
-    ``start_s``, ``rejected_503`` and ``other_failures``."""
+    ``start_s``, ``rejected_503``, ``other_failures`` and ``failure_errors`` (each distinct
+    error of the other failures, its first 200 characters, with its count)."""
     out = []
     for k, ((start, end), step) in enumerate(zip(phase_bounds(steps), steps)):
         mine = [r for r in records if phase_of.get(r.index) == k]
         s = summarize(mine, step.duration_s, label=f"phase {k}", request_rate=step.rate,
                       slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
         rejected = sum(1 for r in mine if not r.success and (r.error or "").startswith(REJECTED))
+        errors = Counter((r.error or "no error recorded")[:200] for r in mine
+                         if not r.success and not (r.error or "").startswith(REJECTED))
         s.update(phase=k, step=str(step), rate=step.rate, start_s=start, end_s=end,
-                 rejected_503=rejected, other_failures=s["failed"] - rejected)
+                 rejected_503=rejected, other_failures=s["failed"] - rejected,
+                 failure_errors=dict(errors.most_common()))
         out.append(s)
     return out
 
@@ -160,6 +165,9 @@ def format_phases(summary: dict) -> str:
     lines.append(f"whole trace: {summary['trace_s']:.1f} s, worker-seconds "
                  f"{fmt(summary['worker_seconds'])}, most workers "
                  f"{fmt(summary['max_workers'], 'd')}, decisions {summary['decisions'] or '-'}")
+    for p in summary["phases"]:
+        for error, count in p.get("failure_errors", {}).items():
+            lines.append(f"{p['step']}: {count} failed with: {error}")
     return "\n".join(lines)
 
 

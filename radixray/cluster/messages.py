@@ -84,6 +84,7 @@ class WorkerLoad:
     role: str = "unified"
     kv_slot_leak: int = 0  # the last KV accounting audit's difference (engine/mem_cache/kv_audit.py)
     pd: dict | None = None  # prefill/decode: queues, failures, finished transfers (pd_metrics)
+    adapters_held: list[str] = field(default_factory=list)  # LoRA: in its slots or queue
     eplb: dict | None = None  # with enable_eplb: ExpertBalancer.snapshot() (engine/ep/eplb.py)
     hicache: dict | None = None  # with enable_hierarchical_cache: KVManager.tier_snapshot()
     grammar: dict | None = None  # structured output: GrammarManager.snapshot() (engine/grammar/)

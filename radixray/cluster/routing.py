@@ -8,9 +8,11 @@ affinity, ``exclude`` (for retries) and a per-worker :class:`CircuitBreaker`.
 
 LoRA: a request run with an adapter has the adapter's name leading its route text
 (:func:`adapter_route_text`). The prefix tree then keeps each adapter's prefixes apart
-(workers never share KV across adapters), and the router prefers the workers it recently
-sent that adapter to (their adapter slots likely hold it: Ray Serve LLM's multiplexed
-routing) before prefix affinity, unless they are clearly busier than the rest.
+(workers never share KV across adapters), and the router prefers the workers that hold the
+adapter (Ray Serve LLM's multiplexed routing) before prefix affinity, unless they are
+clearly busier than the rest. Which workers hold it: what each reported last
+(:meth:`Router.set_adapters_held`, the controller's health round passing on the adapters in
+each worker's slots or queue), plus the adapters this router sent them since.
 
 Load is this router's own count of in-flight requests: :meth:`Router.pick` adds one to
 the chosen worker and :meth:`Router.release` takes it away, so every pick must be paired
@@ -52,6 +54,11 @@ def adapter_of(text: str) -> str | None:
     return text[len(ADAPTER_MARK):end] if end > 0 else None
 
 
+# a worker's adapter report keeps the adapters sent to it this long before its reading too
+# (the request may reach the worker after the reading although sent before it)
+ADAPTER_REPORT_MARGIN_S = 1.0
+
+
 class NoWorkerAvailable(RuntimeError):
     """No worker can take the request; the message says why."""
 
@@ -85,9 +92,10 @@ class RouterSettings:
                                             "circuit (skipped for the cooldown)", ge=1)
     circuit_cooldown_s: float = option(30.0, "seconds a worker with an open circuit is "
                                        "skipped", gt=0.0)
-    adapter_slots: int = option(8, "LoRA: adapters remembered per worker (as its engine's "
-                                "max_loras_per_batch); a request for one of them goes to a "
-                                "worker that ran it recently, before prefix affinity", ge=1)
+    adapter_slots: int = option(8, "LoRA: adapters remembered per worker between its reports "
+                                "(as its engine's max_loras_per_batch); a request for one of "
+                                "them goes to a worker holding it, before prefix affinity",
+                                ge=1)
 
     def __post_init__(self) -> None:
         _check_policy(self.policy)  # the message lists every policy
@@ -100,7 +108,7 @@ class Decision:
 
     ``reason`` is one of "cache_match", "imbalance", "low_match" (cache_aware), "affinity",
     "round_robin", "power_of_two", "random", "least_load", or "adapter" (a LoRA request
-    sent among the workers that ran its adapter recently). ``match_rate`` is the best candidate's
+    sent among the workers holding its adapter). ``match_rate`` is the best candidate's
     matched chars / request chars, set by cache_aware policy decisions only.
     """
 
@@ -138,8 +146,9 @@ class Router:
         self._reasons: Counter[str] = Counter()
         self._picks: Counter[str] = Counter()
         self._versions: dict[str, int | str] = {}  # worker -> weight version its tree entries hold
-        # worker -> the LoRA adapters recently sent to it, least recent first
-        self._adapters: dict[str, OrderedDict[str, None]] = {}
+        # worker -> the LoRA adapters it holds, least recent first: its last report (value
+        # None) and those this router sent it (value: when)
+        self._adapters: dict[str, OrderedDict[str, float | None]] = {}
 
     @property
     def settings(self) -> RouterSettings:
@@ -234,10 +243,29 @@ class Router:
         if adapter is None:
             return
         held = self._adapters.setdefault(worker, OrderedDict())
-        held[adapter] = None
+        held[adapter] = self._clock()
         held.move_to_end(adapter)
         while len(held) > self._settings.adapter_slots:
             held.popitem(last=False)
+
+    def set_adapters_held(self, held: dict[str, list[str]], age_s: float = 0.0) -> None:
+        """Each worker's own account of the LoRA adapters it holds (``held``: worker ->
+        adapters, least recently used first), read at most ``age_s`` seconds ago. It replaces
+        what this router believed of that worker (a slot reused for another adapter, an
+        adapter unloaded, a worker restarted, a router restarted with no memory), except the
+        adapters sent to it since the reading, which it may not have loaded yet. Unknown
+        workers are ignored."""
+        since = self._clock() - age_s - ADAPTER_REPORT_MARGIN_S
+        for worker, names in held.items():
+            if worker not in self._workers:
+                continue
+            before = self._adapters.get(worker, OrderedDict())
+            now: OrderedDict[str, float | None] = OrderedDict((n, None) for n in names)
+            for name, sent in before.items():
+                if sent is not None and sent >= since:
+                    now[name] = sent
+                    now.move_to_end(name)
+            self._adapters[worker] = now
 
     def _candidates(self, exclude: Collection[str]) -> list[str]:
         if not self._workers:

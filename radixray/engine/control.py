@@ -105,10 +105,12 @@ class EngineSnapshot:
     grammar: dict | None = None  # structured output: GrammarManager.snapshot()
     spec: dict | None = None  # with speculative_algorithm: SpecStats.snapshot()
     overlap: dict | None = None  # with enable_overlap_schedule: OverlapStats.snapshot()
+    adapters_held: list[str] = field(default_factory=list)  # sched/lora.py held_adapters
 
     @classmethod
     def of(cls, engine) -> EngineSnapshot:
         """Read ``engine`` (an Engine; scheduler thread only)."""
+        from radixray.engine.sched.lora import held_adapters
         s = engine.scheduler
         st = s.stats
         used, usage = s.token_usage()
@@ -132,7 +134,8 @@ class EngineSnapshot:
             eplb=eplb.snapshot() if eplb else None, hicache=s.kv.tier_snapshot(),
             grammar=s.grammar.snapshot(),
             spec=s.spec_stats.snapshot() if s.spec_stats is not None else None,
-            overlap=s.overlap_stats.snapshot() if s.overlap_stats is not None else None)
+            overlap=s.overlap_stats.snapshot() if s.overlap_stats is not None else None,
+            adapters_held=held_adapters(s))
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,7 @@ def test_records_split_by_the_phase_they_were_sent_in():
     assert [p["num_requests"] for p in phases] == [2, 6, 1]
     assert [p["rejected_503"] for p in phases] == [0, 2, 0]
     assert [p["other_failures"] for p in phases] == [0, 1, 0]
+    assert phases[1]["failure_errors"] == {"ReadTimeout: ": 1}  # what failed, 503s apart
     assert phases[1]["p99_ttft_ms"] == pytest.approx(percentile([500, 2000, 4000], 99))
     assert phases[1]["output_throughput"] == pytest.approx(30 / 20)  # 3 x 10 tokens / 20 s
     assert phases[1]["goodput"] == pytest.approx(1 / 20)  # one burst request within 1 s

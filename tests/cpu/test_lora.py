@@ -87,6 +87,7 @@ def test_one_slot_serves_a_mixed_batch_by_turns(tiny_llama_dir, lora_adapters, r
         # the one slot took alpha, then beta (once alpha's requests finished), at least
         slots = eng.call_in_loop(lambda s: (s.runner.lora.loads, s.runner.lora.slot_names))
         assert slots[0] >= 2 and slots[1] in (["alpha"], ["beta"])
+        assert eng.snapshot().adapters_held == slots[1]
 
 
 def test_the_batched_lora_matmul_equals_its_reference():
@@ -228,7 +229,10 @@ def test_adapters_load_and_unload_through_the_verbs(tiny_llama_dir, lora_adapter
             eng.load_lora_adapter("nowhere", os.path.join(lora_adapters["alpha"], "missing"))
         got = eng.generate(input_ids=prompts[0], sampling_params=GREEDY, lora_path="alpha")
         assert_greedy_equal(got["output_ids"], *refs[("alpha", 0)], "loaded alpha")
+        # what the worker tells the router it holds: the adapters in its slots
+        assert eng.snapshot().adapters_held == ["alpha"]
         assert eng.unload_lora_adapter("alpha") == {"lora_name": "alpha", "loaded_adapters": {}}
+        assert eng.snapshot().adapters_held == []
         with pytest.raises(ValueError, match="unknown LoRA adapter 'alpha'"):
             eng.generate(input_ids=prompts[0], lora_path="alpha")
         with pytest.raises(ValueError, match="unknown LoRA adapter 'alpha'"):

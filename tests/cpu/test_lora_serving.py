@@ -5,9 +5,12 @@
 tokens equal Hugging Face's with the adapter merged; ``/load_lora_adapter`` and
 ``/unload_lora_adapter`` change every worker (a load one worker refuses changes none);
 an unknown adapter is a 400 naming it; the router sends an adapter's requests to the worker
-that already runs it; ``/update_weights_from_disk`` with ``lora_name`` updates one adapter on
+that already runs it, and learns which workers hold an adapter from the workers' own reports
+(a restarted router too); ``/update_weights_from_disk`` with ``lora_name`` updates one adapter on
 every worker through weight-update sessions, under the adapter's own version.
 """
+
+import time
 
 import httpx
 import pytest
@@ -18,13 +21,16 @@ NEW_TOKENS = 8
 GREEDY = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 
 
+CONFIG: dict = {}
+
+
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, lora_adapters):
-    config = tiny_config(tiny_llama_dir, free_port())
-    config["engine"].update(lora_paths=[f"alpha={lora_adapters['alpha']}"], max_lora_rank=4,
+    CONFIG.update(tiny_config(tiny_llama_dir, free_port()))
+    CONFIG["engine"].update(lora_paths=[f"alpha={lora_adapters['alpha']}"], max_lora_rank=4,
                             max_loras_per_batch=2)
-    config["fleet"] = {"workers": 2}
-    with served(config) as base:
+    CONFIG["fleet"] = {"workers": 2}
+    with served(CONFIG) as base:
         yield base
         kv = httpx.get(f"{base}/debug/kv_conservation", timeout=60).json()
         assert all(w["running"] == 0 and w["waiting"] == 0 for w in kv.values())
@@ -119,6 +125,47 @@ def test_the_router_sends_an_adapters_requests_to_the_worker_running_it(server):
     again = _generate(server, ids, "alpha")["meta_info"]
     assert first["cached_tokens"] == 0 and again["cached_tokens"] == len(ids) - 1
     assert again["worker_id"] in workers
+
+
+def _router_adapters(base: str) -> dict[str, list[str]]:
+    """Each routable worker's adapters as the router has them ({} while it restarts)."""
+    r = httpx.get(f"{base}/fleet", timeout=60)
+    router = r.json().get("router") if r.status_code == 200 else None
+    return {w: s["adapters"] for w, s in (router or {}).get("workers", {}).items()}
+
+
+def _wait_for_adapters(base: str, check, what: str) -> dict[str, list[str]]:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        held = _router_adapters(base)
+        if check(held):
+            return held
+        time.sleep(0.2)
+    raise AssertionError(f"{what} within 120 s: the router has {held}")
+
+
+def test_the_router_learns_which_workers_hold_an_adapter_from_the_workers(server,
+                                                                        lora_adapters):
+    import ray
+
+    from radixray.cluster.config import ServeConfig
+    # a fresh alpha everywhere (unload empties its slots), then run on worker-1 only
+    for verb, body in (("unload", {"lora_name": "alpha"}),
+                       ("load", {"lora_name": "alpha", "lora_path": lora_adapters["alpha"]})):
+        r = httpx.post(f"{server}/{verb}_lora_adapter", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+    _wait_for_adapters(server, lambda h: not any(h.values()), "no worker reporting alpha")
+    _on_worker(server, "worker-1", [33, 44, 55], "alpha")
+    # the router restarts with no memory of its picks; the workers' reports tell it
+    cfg = ServeConfig.parse(CONFIG)
+    ray.kill(ray.get_actor(cfg.router_name(), namespace=cfg.namespace), no_restart=False)
+    held = _wait_for_adapters(
+        server, lambda h: len(h) == 2 and "alpha" in h.get("worker-1", ()),
+        "the restarted router learning that worker-1 holds alpha")
+    assert "alpha" not in held["worker-0"]
+    for i in range(4):  # distinct prompts: nothing but the adapter to follow
+        meta = _generate(server, [100 + i, 7 * i + 1, 9], "alpha")["meta_info"]
+        assert meta["worker_id"] == "worker-1"
 
 
 def _on_worker(base: str, worker: str, ids: list[int], lora_path=None) -> dict:

@@ -434,3 +434,30 @@ def test_the_router_remembers_adapter_slots_per_worker_least_recent_out():
     for name in ("x", "y", "z"):
         router.release(router.pick(adapter_route_text("t", name)).worker, True)
     assert router.state()["workers"]["a"]["adapters"] == ["y", "z"]
+
+
+def test_the_workers_reports_of_the_adapters_they_hold_replace_the_routers_guess():
+    from radixray.cluster.routing import adapter_route_text
+    router, clock = make_router(("a", "b", "c"))
+    sent = router.pick(adapter_route_text("t", "alpha"))  # the router's own guess
+    router.release(sent.worker, True)
+    other = next(w for w in ("a", "b", "c") if w != sent.worker)
+    clock.t += 5.0
+    # the worker it was sent to no longer holds alpha (its slot went to another adapter);
+    # another worker does (a router restarted with no memory learns it the same way)
+    router.set_adapters_held({sent.worker: ["beta"], other: ["gamma", "alpha"], "gone": ["x"]},
+                             age_s=0.5)
+    assert router.state()["workers"][sent.worker]["adapters"] == ["beta"]
+    assert router.state()["workers"][other]["adapters"] == ["gamma", "alpha"]
+    for i in range(3):
+        d = router.pick(adapter_route_text(chr(0x6000 + i) * 30, "alpha"))
+        assert (d.worker, d.reason) == (other, "adapter")
+        router.release(d.worker, True)
+    # an adapter sent after the reading survives the report (the worker may not have it yet)
+    d = router.pick(adapter_route_text("u", "delta"))
+    router.release(d.worker, True)
+    router.set_adapters_held({d.worker: []}, age_s=0.5)
+    assert router.state()["workers"][d.worker]["adapters"] == ["delta"]
+    clock.t += 5.0  # a later reading without it: the worker does not hold it
+    router.set_adapters_held({d.worker: []}, age_s=0.5)
+    assert router.state()["workers"][d.worker]["adapters"] == []

@@ -20,6 +20,21 @@ def active_adapters(queues: RequestQueues) -> set[str]:
     return {r.lora for r in reqs if r.lora is not None}
 
 
+def held_adapters(scheduler) -> list[str]:
+    """The adapters ``scheduler``'s engine holds or is about to: those in its device slots
+    (least recently used first), then those of waiting requests that are not (in queue
+    order). What the router's adapter affinity learns from (``WorkerLoad.adapters_held``);
+    empty without LoRA. Scheduler thread."""
+    slots = getattr(scheduler.runner, "lora", None)
+    if slots is None:
+        return []
+    held = slots.resident()
+    for req in scheduler.queues.waiting:
+        if req.lora is not None and req.lora not in held:
+            held.append(req.lora)
+    return held
+
+
 class AdapterAdmission:
     """One prefill build's adapter count: ``admits`` says whether ``req`` fits the slots
     beside the adapters already active or admitted; ``add`` records an admitted one."""

@@ -230,6 +230,12 @@ class LoraSlots:
                     "updated to" if floor is None else "rolled back to", version, len(users))
         return len(users)
 
+    def resident(self) -> list[str]:
+        """The adapters in the device slots now, least recently used first (any thread: a
+        read while a batch prepares may be one step old)."""
+        held = [(self._last_used[s], n) for s, n in enumerate(self.slot_names) if n is not None]
+        return [n for _, n in sorted(held)]
+
     def prepare(self, names: set[str]) -> dict[str, int]:
         """A slot for each adapter of ``names`` (copied in where missing); returns name -> slot.
         RuntimeError when more adapters are needed than slots are free of running ones (the
