@@ -1,11 +1,11 @@
 """EngineWorker: one engine inside a Ray actor, speaking token ids only.
 
-The scheduler loop runs continuously on the engine's own thread. Serving
-clients (ingress replicas) open one *channel* each with :meth:`stream`, a Ray
-streaming generator that yields one message per scheduler step carrying the new
-tokens of all of that client's requests; requests enter with :meth:`submit`.
-When a channel's reader goes away (the generator is cancelled or its owner
-dies) every unfinished request of that channel is aborted, so its KV returns.
+The scheduler loop runs continuously on the engine's own thread. Serving clients
+(ingress replicas) open one *channel* each, one message per scheduler step with the new
+tokens of all of that client's requests, over TCP (:meth:`open_socket_channel`,
+cluster/step_socket.py) or a Ray streaming generator (:meth:`stream`); requests enter
+with :meth:`submit`. When a channel's reader goes away (the connection closes, the
+generator is cancelled, its owner dies) its unfinished requests are aborted.
 
 Messages on a channel are either one step's list of
 :class:`~radixray.engine.messages.RequestUpdate` or a
@@ -31,6 +31,7 @@ from radixray.cluster.messages import ChannelState, SubmitRequest, WorkerInfo, W
 from radixray.cluster.metrics import WorkerMetrics, worker_load
 from radixray.cluster.node_address import node_ip, node_local_options
 from radixray.cluster.shared_weights import SharedWeightsHandle, on_this_node, read_shared
+from radixray.cluster.step_socket import SocketEndpoint, StepSocketServer, write_messages
 from radixray.cluster.tensor_payload import from_payload, is_payload
 from radixray.engine.control import EngineSnapshot
 from radixray.engine.engine import Engine
@@ -120,6 +121,7 @@ class EngineWorker:
             self.pd_metrics = PDMetrics(worker_id, self.role)
         self.draining = False
         self._channels: dict[str, tuple[StepChannel, set[str]]] = {}
+        self._sockets: StepSocketServer | None = None  # the TCP channels' listener, once asked
         self.started_at = time.time()
         if warmup:
             t0 = time.perf_counter()
@@ -156,7 +158,31 @@ class EngineWorker:
 
     # ---- serving -----------------------------------------------------------------
     async def stream(self, channel_id: str):
-        """Open channel ``channel_id`` and yield its messages until the reader goes away."""
+        """Open channel ``channel_id`` and yield its messages until the reader goes away
+        (a Ray streaming generator; :meth:`open_socket_channel` is the TCP way)."""
+        messages = self._channel(channel_id)
+        try:
+            async for msg in messages:
+                yield msg
+        finally:
+            await messages.aclose()
+
+    async def open_socket_channel(self, channel_id: str) -> SocketEndpoint:
+        """Offer channel ``channel_id`` over TCP (cluster/step_socket.py): where to connect
+        and the one-time token. The channel opens when the reader connects with it and
+        lasts until either end closes the connection."""
+        if self._sockets is None:
+            server = StepSocketServer(node_ip() or "127.0.0.1", self._serve_socket)
+            await server.start()
+            self._sockets = server
+        return self._sockets.offer(channel_id)
+
+    async def _serve_socket(self, channel_id: str, reader, writer) -> None:
+        await write_messages(self._channel(channel_id), reader, writer)  # until either closes
+
+    async def _channel(self, channel_id: str):
+        """Channel ``channel_id``'s messages: the hello, then each step's, until closed (its
+        unfinished requests are aborted then)."""
         queue: asyncio.Queue = asyncio.Queue()
         channel = StepChannel(asyncio.get_running_loop(), queue)
         rids: set[str] = set()
@@ -463,6 +489,8 @@ class EngineWorker:
             await asyncio.to_thread(self._tp_ranks.stop)
         if self._outbox is not None:
             self._outbox.close()
+        if self._sockets is not None:
+            self._sockets.close()
 
 
 def worker_actor_class():

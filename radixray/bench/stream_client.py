@@ -104,6 +104,7 @@ async def stream_request(client, url: str, body: dict, headers: dict | None = No
     """
     out = StreamOutcome()
     pieces: list[str] = []
+    finish = None  # the last finish_reason seen (named when no text came)
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", url, json=body, headers=headers) as resp:
@@ -123,6 +124,7 @@ async def stream_request(client, url: str, body: dict, headers: dict | None = No
                     return out
                 if chunk.get("usage"):
                     out.usage = chunk["usage"]
+                finish = (chunk.get("choices") or [{}])[0].get("finish_reason") or finish
                 text = _chunk_text(chunk)
                 if text:
                     now = time.perf_counter()
@@ -133,7 +135,9 @@ async def stream_request(client, url: str, body: dict, headers: dict | None = No
                     last = now
                     pieces.append(text)
         if out.ttft is None:
-            out.error = "the stream ended without any text"
+            tokens = (out.usage or {}).get("completion_tokens", "no usage:")
+            out.error = (f"the stream ended without any text ({tokens} completion tokens, "
+                         f"finish_reason {finish})")
         else:
             out.success = True
     except Exception as e:  # network errors and bad JSON are results, not crashes

@@ -98,6 +98,11 @@ class ServerSection(BaseModel):
     served_model_name: str | None = Field(
         None, description="the model id the APIs answer to (default: 'default' or the model "
         "folder's name)")
+    step_transport: Literal["tcp", "ray"] = Field(
+        "tcp", description="how each scheduler step's tokens go from a worker to an ingress "
+        "replica (cluster/step_socket.py): a TCP connection of their own to a port the "
+        "worker's node gives it (a quarter of the CPU per message; Ray is used instead, "
+        "logged, where that port cannot be reached), or Ray's streaming generator")
     ingress_replicas: int = Field(1, ge=1, description="Ray Serve replicas of the HTTP ingress")
     ingress_num_cpus: float = Field(0.0, ge=0, description="CPUs each ingress replica reserves")
     worker_num_cpus: float = Field(1.0, ge=0, description="CPUs each engine worker reserves")

@@ -108,8 +108,9 @@ class Lease:
 
 class Dispatcher:
     def __init__(self, controller, router, max_attempts: int = 3, backoff_s: float = 0.1,
-                 sleep=asyncio.sleep):
+                 sleep=asyncio.sleep, step_transport: str = "tcp"):
         self.controller = controller
+        self.step_transport = step_transport  # server.step_transport: each channel's
         self.router = router if isinstance(router, RouterClient) else RouterClient(router)
         self.max_attempts, self.backoff_s, self._sleep = max_attempts, backoff_s, sleep
         self.clients: dict[str, WorkerClient] = {}
@@ -139,7 +140,7 @@ class Dispatcher:
                 raise unwrap_ray_error(exc) from None
             if c is not None:
                 await c.close()
-            c = WorkerClient(entry.handle, worker_id)
+            c = WorkerClient(entry.handle, worker_id, self.step_transport)
             await c.start()
             self.clients[worker_id] = c
             return c

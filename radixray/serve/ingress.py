@@ -140,7 +140,9 @@ class Ingress:
         from radixray.serve.pd_dispatch import PDDispatcher
         dispatcher_class = PDDispatcher if self.cfg.fleet.disaggregated else Dispatcher
         dispatcher = dispatcher_class(self.controller, find_router(self.cfg),
-                                self.cfg.router.retry_max_attempts, self.cfg.router.retry_backoff_s)
+                                      self.cfg.router.retry_max_attempts,
+                                      self.cfg.router.retry_backoff_s,
+                                      step_transport=server.step_transport)
         self.fe = Frontend(tokenizer, info, self.cfg.server.served_model_name, dispatcher,
                            enable_cache_report=self.cfg.server.enable_cache_report,
                            limits=RequestLimits.from_server(self.cfg.server), chat=chat,

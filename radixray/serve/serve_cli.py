@@ -30,6 +30,7 @@ logger = logging.getLogger("radixray.serve")
 SECTION_FLAGS = (
     ("server", "host", ""), ("server", "port", ""), ("server", "served_model_name", ""),
     ("server", "ingress_replicas", ""), ("server", "ingress", ""), ("server", "log_level", ""),
+    ("server", "step_transport", ""),
     ("fleet", "workers", ""), ("fleet", "prefill_workers", ""), ("fleet", "decode_workers", ""),
     ("router", "policy", "router_"),
     ("server", "api_key", ""), ("server", "admin_api_key", ""),

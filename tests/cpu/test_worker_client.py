@@ -4,7 +4,9 @@ Covers what is hard to provoke on a real cluster: a health probe that times out
 cancels its request on the worker; a worker that dies mid-request ends the
 request with an error instead of hanging it; a request that fails before its
 first token is retried on another worker (unless its own batch failed), and the
-router hears every outcome; a router that is restarting is waited for.
+router hears every outcome; a router that is restarting is waited for. Every test runs
+with the step messages over TCP (the stand-in worker listens as the real one does,
+cluster/step_socket.py) and over a Ray-like streaming generator.
 """
 
 import asyncio
@@ -16,10 +18,26 @@ from radixray.cluster.errors import WorkerDraining
 from radixray.cluster.messages import ChannelState, FleetHealth, WorkerEntry, WorkerInfo
 from radixray.cluster.router_client import RouterClient
 from radixray.cluster.routing import NoWorkerAvailable
+from radixray.cluster.step_socket import StepSocketServer, write_messages
 from radixray.engine.messages import MetaInfo, RequestUpdate
 from radixray.serve.api_error import ApiError, api_error_from
 from radixray.serve.dispatch import Dispatcher
 from radixray.serve.frontend import Frontend
+
+TRANSPORT = {"name": "tcp"}  # the step transport the Dispatchers of a test use
+
+
+@pytest.fixture(autouse=True, params=["tcp", "ray"])
+def transport(request):
+    TRANSPORT["name"] = request.param
+    yield request.param
+    TRANSPORT["name"] = "tcp"
+
+
+def _died_message(error: str) -> bool:
+    """The error of a request whose worker died: Ray names the cause; over TCP the
+    connection just ends."""
+    return ("worker process died" if TRANSPORT["name"] == "ray" else "stream ended") in error
 
 
 class _Method:
@@ -45,8 +63,11 @@ class FakeWorker:
         self.on_submit = on_submit
         self.outbox: asyncio.Queue | None = None
         self.stream = _Method(self._stream)
+        self.open_socket_channel = _Method(self._open_socket)
+        self.wait_until_failed = _Method(lambda: asyncio.Event().wait())  # never fails
         self.submit = _Method(self._submit)
         self.abort = _Method(lambda rids: self.aborted.append(list(rids)))
+        self._server: StepSocketServer | None = None
 
     async def _ref(self, value):
         if isinstance(value, Exception):
@@ -58,6 +79,23 @@ class FakeWorker:
         yield self._ref(ChannelState("fake", draining=False))
         while True:
             yield self._ref(await self.outbox.get())
+
+    async def _open_socket(self, channel_id):
+        if self._server is None:
+            self._server = StepSocketServer("127.0.0.1", self._serve)
+            await self._server.start()
+        return self._server.offer(channel_id)
+
+    async def _serve(self, channel_id, reader, writer):
+        await write_messages(self._messages(), reader, writer)
+
+    async def _messages(self):
+        """The TCP form of the channel: an exception in the outbox is the process dying
+        (its connection closes)."""
+        self.outbox = asyncio.Queue()
+        yield ChannelState("fake", draining=False)
+        while not isinstance(message := await self.outbox.get(), Exception):
+            yield message
 
     async def _submit(self, channel_id, requests):
         if self.on_submit == "draining":
@@ -118,7 +156,8 @@ class FakeController:
 def _frontend(*workers: FakeWorker) -> tuple[Frontend, FakeRouter]:
     named = {f"w{i}": w for i, w in enumerate(workers)}
     router = FakeRouter(list(named))
-    dispatcher = Dispatcher(FakeController(named), router, max_attempts=3, backoff_s=0.0)
+    dispatcher = Dispatcher(FakeController(named), router, max_attempts=3, backoff_s=0.0,
+                            step_transport=TRANSPORT["name"])
     info = WorkerInfo("w0", "fake", context_len=64, vocab_size=400, max_total_tokens=4096,
                       draining=False)
     return Frontend(byte_bpe_tokenizer(), info, "fake", dispatcher), router
@@ -147,7 +186,7 @@ def test_worker_death_ends_requests_with_an_error():
     worker = FakeWorker("token_then_die")
     fe, router = _frontend(worker)
     choice = _run(fe)
-    assert choice.finished and "worker process died" in choice.error
+    assert choice.finished and _died_message(choice.error)
     assert choice.output_ids == [7]  # a request that streamed tokens is not retried
     assert not fe.dispatcher.clients["w0"].alive
     assert router.released == [("w0", False)]
@@ -232,7 +271,7 @@ def _with_router(router, *workers: FakeWorker) -> Frontend:
     router.order = list(named)
     dispatcher = Dispatcher(FakeController(named), RouterClient(router, wait_s=5.0,
                                                                 sleep=_no_sleep),
-                            max_attempts=3, backoff_s=0.0)
+                            max_attempts=3, backoff_s=0.0, step_transport=TRANSPORT["name"])
     info = WorkerInfo("w0", "fake", context_len=64, vocab_size=400, max_total_tokens=4096,
                       draining=False)
     return Frontend(byte_bpe_tokenizer(), info, "fake", dispatcher)
@@ -345,3 +384,27 @@ def test_closing_a_streamed_response_aborts_its_requests_before_close_returns(n)
     assert aborted == sorted(r.rid for r in worker.submitted) and len(aborted) == n
     assert fe.dispatcher.clients["w0"]._queues == {}
     assert router.released == [("w0", None)]
+
+
+def test_an_unreachable_step_socket_falls_back_to_the_ray_stream(transport, caplog):
+    """A worker whose TCP endpoint cannot be reached (ports closed between nodes) still
+    serves: the channel opens as a Ray stream, logged."""
+    import socket
+
+    from radixray.cluster.step_socket import SocketEndpoint
+    if transport != "tcp":
+        pytest.skip("the fallback is the TCP transport's")
+    worker = FakeWorker("finish")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+
+    async def unreachable(channel_id):
+        return SocketEndpoint("127.0.0.1", closed, "x" * 32, channel_id)
+    worker.open_socket_channel = _Method(unreachable)
+    fe, router = _frontend(worker)
+    with caplog.at_level("WARNING", logger="radixray.ingress"):
+        choice = _run(fe)
+    assert choice.error is None and choice.output_ids == [7, 8]
+    assert fe.dispatcher.clients["w0"]._gen is not None  # read through Ray's generator
+    assert "step messages over Ray instead of TCP" in caplog.text
