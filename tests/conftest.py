@@ -11,6 +11,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Most tests compare with Hugging Face's fp32 outputs: engines here default to exact=true
 # (engine/precision.py); test_default_precision.py tests the fast default itself.
 os.environ["RADIXRAY_EXACT"] = "1"
+# Compiled decode graphs check every C++ op's output sizes and strides against its fake
+# (kernels/fake_ops.py) in tests; served graphs skip the checks (compiled_decode.py).
+os.environ["RADIXRAY_COMPILE_SIZE_ASSERTS"] = "1"
 # Ray's dashboard probes cloud metadata (HTTP to 169.254.169.254, DNS for
 # metadata.google.internal) and may report usage to usage-stats.ray.io: traced in
 # docs/multinode.md. Every HTTP(S) proxy points at a loopback port nothing listens on (the

@@ -16,6 +16,9 @@ again as requests grow. With LoRA, two more cover the decode batches whose reque
 adapters: each LoRA update is one opaque op (kernels/lora.py ``lora_add_segments``) whose
 per-batch row plan has unbacked symbolic sizes (any count of rows and slots, one included,
 in one graph).
+Each of the four kinds of batch runs through a compiled function of its own (a copy of
+:func:`decode_logits` with its own code object), so a step checks only its kind's guards;
+the graphs carry no size asserts (:func:`inductor_options`).
 A larger batch, an extend or mixed batch, or one that records routes runs eagerly; the
 first such batch is logged with the reason. The graphs are compiled at start-up (the log
 says how long) into inductor's cache under ``~/.cache/radixray/inductor``
@@ -30,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import types
 
 import torch
 
@@ -44,6 +48,16 @@ logger = logging.getLogger(__name__)
 
 # The two warm-up batches' context length: above 1, which torch would specialize on.
 _WARMUP_LEN = 2
+
+
+
+def inductor_options() -> dict:
+    """Inductor's options for the decode graphs. No size asserts unless
+    ``RADIXRAY_COMPILE_SIZE_ASSERTS=1``: the generated code checks each input's and each C++
+    op output's sizes and strides on every call (about 500 checks, 0.2 ms of a 10 ms batch-1
+    step); dynamo's guards have checked the inputs already, and the tests compile with the
+    asserts on, which holds kernels/fake_ops.py's shapes to the kernels."""
+    return {"size_asserts": os.environ.get("RADIXRAY_COMPILE_SIZE_ASSERTS") == "1"}
 
 
 def compile_unavailable(runner, config) -> str | None:
@@ -90,17 +104,27 @@ class CompiledDecode:
         self.runner = runner
         self.max_bs = max_bs
         use_inductor_cache(inductor_cache_dir())
-        # One graph per (batch 1, batch > 1) x (adapters or not) and per weight layout a
-        # session may swap in.
+        # A graph per weight layout a session may swap in, for each kind of batch below.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
-        self.forward = torch.compile(self._decode_forward, fullgraph=True, dynamic=False)
+        # One compiled function per kind of batch (batch 1 or more, adapters or not), each
+        # with a code object of its own: dynamo keeps its graphs per code object and checks
+        # their guards one after the other, so a step checks only its own kind's.
+        self._forwards: dict[tuple[bool, bool], object] = {}
         self.largest = LargestDecodeBatch(max_bs, "a decode batch of %d requests runs eagerly: "
                                           "the compiled decode step covers up to %d (raise "
                                           "torch_compile_max_bs to cover more)", logger)
         self.steps = 0  # decode steps run compiled
 
-    def _decode_forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.runner.model.logits(batch)
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The compiled logits of ``batch`` (compiled on first use of its kind)."""
+        kind = (batch.batch_size == 1, batch.lora is not None)
+        compiled = self._forwards.get(kind)
+        if compiled is None:
+            code = decode_logits.__code__.replace()  # a code object (and graph cache) of its own
+            fn = types.FunctionType(code, decode_logits.__globals__, decode_logits.__name__)
+            compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=inductor_options())
+            self._forwards[kind] = compiled
+        return compiled(self.runner.model, batch)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         lora_ok = batch.lora is None or batch.lora.traceable
@@ -152,6 +176,11 @@ class CompiledDecode:
         logger.info("compiled the decode step for batch sizes 1..%d%s in %.1f s (inductor "
                     "cache: %s)", self.max_bs, "" if lora is None else ", with LoRA adapters and "
                     "without", time.perf_counter() - t0, os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+
+def decode_logits(model, batch: ForwardBatch) -> torch.Tensor:
+    """What a compiled decode step runs (each kind of batch through a copy of its own)."""
+    return model.logits(batch)
 
 
 def padding_batch(bs: int, lora: LoraSlots | None = None) -> ForwardBatch:
