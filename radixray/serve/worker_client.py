@@ -25,7 +25,8 @@ from radixray.serve.closing_stream import ClosingStream
 
 logger = logging.getLogger("radixray.ingress")
 
-CONNECT_TIMEOUT_S = 5.0  # to reach a worker's step socket, and for its hello
+CONNECT_TIMEOUT_S = 5.0  # to reach a worker's step socket (else the channel goes over Ray)
+HELLO_TIMEOUT_S = 60.0  # for its first message once connected (else the worker is unavailable)
 
 
 class WorkerClient:
@@ -68,7 +69,11 @@ class WorkerClient:
             return False
         self._writer = writer
         writer.write(endpoint.token.encode("ascii") + b"\n")
-        hello = await asyncio.wait_for(read_frame(reader), CONNECT_TIMEOUT_S)
+        try:
+            hello = await asyncio.wait_for(read_frame(reader), HELLO_TIMEOUT_S)
+        except BaseException:
+            writer.close()
+            raise
         self.draining = hello.draining
         self._tasks = [asyncio.create_task(self._read_socket(reader), name=f"pump-{self.worker_id}"),
                        asyncio.create_task(self._watch_actor(), name=f"watch-{self.worker_id}")]

@@ -10,6 +10,7 @@ cluster/step_socket.py) and over a Ray-like streaming generator.
 """
 
 import asyncio
+import dataclasses
 
 import pytest
 from model_fixtures import byte_bpe_tokenizer
@@ -408,3 +409,25 @@ def test_an_unreachable_step_socket_falls_back_to_the_ray_stream(transport, capl
     assert choice.error is None and choice.output_ids == [7, 8]
     assert fe.dispatcher.clients["w0"]._gen is not None  # read through Ray's generator
     assert "step messages over Ray instead of TCP" in caplog.text
+
+
+def test_a_step_socket_that_refuses_the_channel_is_an_unavailable_worker(transport):
+    """A worker's listener that closes the connection instead of a hello (here: a token it
+    never offered) makes that worker unavailable for the request, which goes elsewhere."""
+    if transport != "tcp":
+        pytest.skip("the TCP transport's handshake")
+    refusing, healthy = FakeWorker("finish"), FakeWorker("finish")
+
+    async def wrong_token(channel_id):
+        endpoint = await refusing._open_socket(channel_id)
+        return dataclasses.replace(endpoint, token="0" * 32)
+    refusing.open_socket_channel = _Method(wrong_token)
+    fe, router = _frontend(refusing, healthy)
+
+    async def main():  # no channels opened ahead: the request's placement opens them
+        choices, streams = await fe.start([[1, 2, 3]], [{"max_new_tokens": 4}])
+        await asyncio.wait_for(fe.run_to_end(choices, streams), 5)
+        return choices[0]
+    choice = asyncio.run(main())
+    assert choice.error is None and choice.meta.worker_id == "w1"
+    assert router.released == [("w0", False), ("w1", True)]
