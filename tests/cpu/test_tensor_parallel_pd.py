@@ -94,9 +94,15 @@ def test_served_pd_fleet_with_a_tp2_prefill_and_a_tp4_decode_worker(tiny_llama_d
             assert out.choices[0].text == expected
 
 
-def test_a_second_tp_engine_in_one_process_is_refused(tiny_llama_dir):
+def test_a_second_tp_engine_in_one_process_is_refused(tiny_llama_dir, monkeypatch):
     """Ranks join torch.distributed's default group: one TP engine per process (a fleet
-    runs each worker in a process of its own)."""
+    runs each worker in a process of its own). The refusal comes before any follower
+    process starts (followers waiting for a group that never forms took 30 s each to stop)."""
+    from radixray.engine.tp import launch
     with Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=1024, tp_size=2):
+        started = []
+        monkeypatch.setattr(launch, "LocalFollowers",
+                            lambda *a: started.append(a) or pytest.fail("followers started"))
         with pytest.raises(ValueError, match="one tensor-parallel engine of tp_size 4"):
             Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=1024, tp_size=4)
+        assert started == []

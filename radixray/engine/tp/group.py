@@ -45,12 +45,7 @@ class TensorParallel:
             raise ValueError(f"tp_rank must be in [0, tp_size={size}), got {rank}")
         import torch.distributed as dist
         timeout = datetime.timedelta(seconds=timeout_s)
-        if dist.is_initialized() and dist.get_world_size() != size:
-            raise ValueError(
-                f"this process is already in a torch.distributed group of "
-                f"{dist.get_world_size()} ranks (another tensor-parallel engine): one "
-                f"tensor-parallel engine of tp_size {size} per process; run it in a worker "
-                f"process of its own (a fleet does)")
+        cls.check_joinable(size)
         if not dist.is_initialized():
             dist.init_process_group(backend, init_method=init_method, rank=rank,
                                     world_size=size, timeout=timeout)
@@ -59,6 +54,18 @@ class TensorParallel:
         logger.info("tensor-parallel rank %d of %d joined (%s, %s)", rank, size, backend,
                     init_method)
         return cls(rank, size, None, channel)
+
+    @staticmethod
+    def check_joinable(size: int) -> None:
+        """ValueError when this process is already in a torch.distributed group of another
+        size (another tensor-parallel engine)."""
+        import torch.distributed as dist
+        if dist.is_initialized() and dist.get_world_size() != size:
+            raise ValueError(
+                f"this process is already in a torch.distributed group of "
+                f"{dist.get_world_size()} ranks (another tensor-parallel engine): one "
+                f"tensor-parallel engine of tp_size {size} per process; run it in a worker "
+                f"process of its own (a fleet does)")
 
     @property
     def driver(self) -> bool:

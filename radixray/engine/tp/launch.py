@@ -37,6 +37,7 @@ def join_tp_group(config, rank: int = 0, init_method: str | None = None
         if rank != 0:
             raise ValueError(f"tp_rank {rank} needs tp_init_method, the rendezvous of rank 0")
         from radixray.engine.ep.group import free_tcp_address
+        TensorParallel.check_joinable(config.tp_size)  # before any follower starts
         init_method = free_tcp_address()
         followers = LocalFollowers(config, init_method)
     try:
@@ -44,7 +45,7 @@ def join_tp_group(config, rank: int = 0, init_method: str | None = None
                                  config.tp_timeout_s)
     except BaseException:
         if followers is not None:
-            followers.stop()
+            followers.kill()  # no group formed: they have nothing to finish
         raise
     return tp, followers
 
@@ -61,6 +62,12 @@ class LocalFollowers:
             for rank in range(1, config.tp_size)]
         logger.info("started %d tensor-parallel follower process(es) for %s",
                     len(self.processes), init_method)
+
+    def kill(self) -> None:
+        """End the followers at once (the group never formed)."""
+        for p in self.processes:
+            p.kill()
+            p.wait()
 
     def stop(self) -> None:
         """Wait for the followers to leave (after the driver sent Stop); kill stragglers."""
