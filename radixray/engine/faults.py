@@ -96,6 +96,18 @@ class FailForwards:
 
 
 @dataclass(frozen=True)
+class SlowForwards:
+    """Every forward pass first sleeps ``seconds`` (0: off), as a slow model would: requests
+    stay in flight long enough for what a test does to them meanwhile."""
+
+    seconds: float
+
+    def __post_init__(self):
+        if self.seconds < 0:
+            raise ValueError(f"seconds must be >= 0, got {self.seconds}")
+
+
+@dataclass(frozen=True)
 class StallKVSend:
     """A prefill engine's KV sender sleeps ``seconds`` before the next room's last write (its
     first chunks are written), as a transfer cut mid-way."""
@@ -132,7 +144,7 @@ class FailTrainerSend:
                              f"got {self.phase!r}")
 
 
-Fault = FailForwards | StallKVSend | FailWeightUpdate | FailTrainerSend
+Fault = FailForwards | SlowForwards | StallKVSend | FailWeightUpdate | FailTrainerSend
 
 
 class FaultInjector:
@@ -147,6 +159,7 @@ class FaultInjector:
     def __init__(self, *faults: Fault):
         self._forwards_left = 0  # forward passes left to fail; -1: every one
         self._forward_message = "injected fault"
+        self._forward_delay_s = 0.0
         self._kv_stall_s: float | None = None
         self.kv_stalled = False  # True while a stall holds the KV sender
         self._weight_phase: str | None = None
@@ -157,6 +170,8 @@ class FaultInjector:
     def arm(self, fault: Fault) -> None:
         if isinstance(fault, FailForwards):
             self._forwards_left, self._forward_message = fault.count, fault.message
+        elif isinstance(fault, SlowForwards):
+            self._forward_delay_s = fault.seconds
         elif isinstance(fault, StallKVSend):
             self._kv_stall_s = fault.seconds
         elif isinstance(fault, FailWeightUpdate):
@@ -168,7 +183,10 @@ class FaultInjector:
 
     # ---- fault points ------------------------------------------------------------------
     def before_forward(self) -> None:
-        """Scheduler thread, before a forward pass: raise :class:`InjectedFault` if armed."""
+        """Scheduler thread, before a forward pass: sleep if slowed, raise
+        :class:`InjectedFault` if armed."""
+        if self._forward_delay_s:
+            time.sleep(self._forward_delay_s)
         if self._forwards_left:
             if self._forwards_left > 0:
                 self._forwards_left -= 1

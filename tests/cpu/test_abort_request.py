@@ -108,8 +108,10 @@ class Held:
 
     def __enter__(self):
         held = _post(self.base, "/pause_generation", {"mode": "in_place"})["requests"]
-        if self.expect is not None:
-            assert sum(held.values()) >= self.expect, held
+        if self.expect is not None and sum(held.values()) < self.expect:
+            kv = httpx.get(f"{self.base}/debug/kv_conservation", timeout=60).json()
+            _post(self.base, "/continue_generation")  # the next test gets a running fleet
+            raise AssertionError(f"{self.expect} requests should be held, not {held}: {kv}")
         return held
 
     def __exit__(self, *exc):
@@ -192,13 +194,25 @@ async def _long_native_streams(base: str, n: int, abort) -> list[dict]:
         return await asyncio.wait_for(asyncio.gather(*tasks), 120)
 
 
-def _abort_all_under_load(base: str, n: int) -> dict:
+def _abort_all_under_load(base: str, n: int, workers=("worker-0", "worker-1")) -> dict:
+    """``n`` long streams aborted at once by ``abort_all``; every forward pass of
+    ``workers`` takes 10 ms meanwhile, so none can finish its LONG tokens before the abort
+    (on a fast path the tiny model could, while the client still waits for the last
+    stream's first chunk)."""
+    import ray
+
+    from radixray.engine.faults import FaultInjector, SlowForwards
     answers: dict = {}
 
     def abort() -> None:
         with Held(base, expect=n):
             answers.update(_post(base, "/abort_request", {"abort_all": True}))
-    lasts = asyncio.run(_long_native_streams(base, n, abort))
+    handles = [_worker_handle(w) for w in workers]
+    ray.get([h.attach_fault_injector.remote(FaultInjector(SlowForwards(0.01))) for h in handles])
+    try:
+        lasts = asyncio.run(_long_native_streams(base, n, abort))
+    finally:
+        ray.get([h.attach_fault_injector.remote(None) for h in handles])
     for last in lasts:
         meta = last["meta_info"]
         assert meta["finish_reason"]["type"] == "abort", meta
@@ -364,7 +378,7 @@ class TestPrefillDecodeFleet:
         import ray
 
         from radixray.engine.faults import FaultInjector, StallKVSend
-        prefill, decode = _pd_handle("worker-0"), _pd_handle("worker-1")
+        prefill, decode = _worker_handle("worker-0"), _worker_handle("worker-1")
         ray.get(prefill.attach_fault_injector.remote(FaultInjector(StallKVSend(5.0))))
         out: dict = {}
 
@@ -392,7 +406,7 @@ class TestPrefillDecodeFleet:
         _pd_clean(base)
 
 
-def _pd_handle(worker: str):
+def _worker_handle(worker: str):
     import ray
 
     from radixray.cluster.config import ServeConfig
@@ -406,7 +420,7 @@ def _pd_clean(base: str) -> None:
     import ray
     _wait_clean(base)
     for worker in ("worker-0", "worker-1"):
-        handle = _pd_handle(worker)
+        handle = _worker_handle(worker)
         for _ in range(300):
             if ray.get(handle.pd_status.remote())["rooms"] == 0:
                 break
