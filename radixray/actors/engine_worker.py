@@ -121,7 +121,8 @@ class EngineWorker:
             self.pd_metrics = PDMetrics(worker_id, self.role)
         self.draining = False
         self._channels: dict[str, tuple[StepChannel, set[str]]] = {}
-        self._sockets: StepSocketServer | None = None  # the TCP channels' listener, once asked
+        # the TCP channels' listener (it listens from the first offer on)
+        self._sockets = StepSocketServer(node_ip() or "127.0.0.1", self._serve_socket)
         self.started_at = time.time()
         if warmup:
             t0 = time.perf_counter()
@@ -171,11 +172,7 @@ class EngineWorker:
         """Offer channel ``channel_id`` over TCP (cluster/step_socket.py): where to connect
         and the one-time token. The channel opens when the reader connects with it and
         lasts until either end closes the connection."""
-        if self._sockets is None:
-            server = StepSocketServer(node_ip() or "127.0.0.1", self._serve_socket)
-            await server.start()
-            self._sockets = server
-        return self._sockets.offer(channel_id)
+        return await self._sockets.offer(channel_id)
 
     async def _serve_socket(self, channel_id: str, reader, writer) -> None:
         await write_messages(self._channel(channel_id), reader, writer)  # until either closes
@@ -489,8 +486,7 @@ class EngineWorker:
             await asyncio.to_thread(self._tp_ranks.stop)
         if self._outbox is not None:
             self._outbox.close()
-        if self._sockets is not None:
-            self._sockets.close()
+        self._sockets.close()
 
 
 def worker_actor_class():

@@ -76,15 +76,16 @@ class StepSocketServer:
         self.host, self._serve = host, serve
         self.port: int | None = None
         self._server: asyncio.base_events.Server | None = None
+        self._starting = asyncio.Lock()
         self._offers: dict[str, tuple[str, float]] = {}  # token -> (channel id, offered at)
 
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._accept, self.host, 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        logger.info("step messages over TCP: listening on %s:%d", self.host, self.port)
-
-    def offer(self, channel_id: str) -> SocketEndpoint:
-        """A one-time endpoint for ``channel_id`` (call after :meth:`start`)."""
+    async def offer(self, channel_id: str) -> SocketEndpoint:
+        """A one-time endpoint for ``channel_id``; the first offer starts the listener."""
+        async with self._starting:
+            if self._server is None:
+                self._server = await asyncio.start_server(self._accept, self.host, 0)
+                self.port = self._server.sockets[0].getsockname()[1]
+                logger.info("step messages over TCP: listening on %s:%d", self.host, self.port)
         now = time.monotonic()
         for token, (_, at) in list(self._offers.items()):
             if now - at > OFFER_TTL_S:

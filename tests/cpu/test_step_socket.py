@@ -28,9 +28,7 @@ class Channel:
 
 
 async def _listening(channel: Channel) -> StepSocketServer:
-    server = StepSocketServer("127.0.0.1", channel.serve)
-    await server.start()
-    return server
+    return StepSocketServer("127.0.0.1", channel.serve)
 
 
 async def _connect(endpoint, token: str | None = None):
@@ -43,7 +41,7 @@ def test_messages_arrive_in_order_as_sent_and_the_workers_end_closes_the_connect
     async def main():
         channel = Channel()
         server = await _listening(channel)
-        endpoint = server.offer("ingress-1")
+        endpoint = await server.offer("ingress-1")
         reader, writer = await _connect(endpoint)
         sent = [["step", 1], {"state": "draining"}, list(range(1000))]
         for message in sent:
@@ -63,7 +61,7 @@ def test_the_readers_going_away_closes_the_channel():
     async def main():
         channel = Channel()
         server = await _listening(channel)
-        reader, writer = await _connect(server.offer("ingress-2"))
+        reader, writer = await _connect(await server.offer("ingress-2"))
         channel.queue.put_nowait("hello")
         assert await read_frame(reader) == "hello"
         writer.close()  # the ingress goes away with no message in flight
@@ -76,7 +74,7 @@ def test_a_connection_without_an_offered_token_gets_nothing():
     async def main():
         channel = Channel()
         server = await _listening(channel)
-        endpoint = server.offer("ingress-3")
+        endpoint = await server.offer("ingress-3")
         reader, writer = await _connect(endpoint, token="0" * 32)
         assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, nothing sent
         # a token is good once: the right one works, then not again
@@ -97,3 +95,24 @@ def test_a_frame_is_its_pickles_length_then_the_pickle():
     data = frame({"a": [1, 2]})
     (size,) = struct.unpack("<I", data[:4])
     assert size == len(data) - 4 and pickle.loads(data[4:]) == {"a": [1, 2]}
+
+
+def test_offers_made_at_once_share_one_listener():
+    """Two ingress replicas asking a worker at the same moment: one listener, two channels."""
+    async def main():
+        channels = {"a": Channel(), "b": Channel()}
+
+        async def serve(channel_id, reader, writer):
+            await channels[channel_id].serve(channel_id, reader, writer)
+        server = StepSocketServer("127.0.0.1", serve)
+        first, second = await asyncio.gather(server.offer("a"), server.offer("b"))
+        assert first.port == second.port and first.token != second.token
+        readers = [await _connect(e) for e in (first, second)]
+        for name in ("a", "b"):
+            channels[name].queue.put_nowait(f"step of {name}")
+        got = [await asyncio.wait_for(read_frame(r), 5) for r, _ in readers]
+        for _, w in readers:
+            w.close()
+        server.close()
+        return got
+    assert asyncio.run(main()) == ["step of a", "step of b"]

@@ -84,8 +84,7 @@ class FakeWorker:
     async def _open_socket(self, channel_id):
         if self._server is None:
             self._server = StepSocketServer("127.0.0.1", self._serve)
-            await self._server.start()
-        return self._server.offer(channel_id)
+        return await self._server.offer(channel_id)
 
     async def _serve(self, channel_id, reader, writer):
         await write_messages(self._messages(), reader, writer)
