@@ -110,7 +110,7 @@ class Dispatcher:
     def __init__(self, controller, router, max_attempts: int = 3, backoff_s: float = 0.1,
                  sleep=asyncio.sleep, step_transport: str = "tcp"):
         self.controller = controller
-        self.step_transport = step_transport  # server.step_transport: each channel's
+        self.step_transport = step_transport  # server.step_transport, of every channel opened
         self.router = router if isinstance(router, RouterClient) else RouterClient(router)
         self.max_attempts, self.backoff_s, self._sleep = max_attempts, backoff_s, sleep
         self.clients: dict[str, WorkerClient] = {}
