@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -327,12 +328,17 @@ def test_a_full_queue_is_refused_at_once_with_retry_after(server):
                 waiting = [asyncio.ensure_future(c.post(f"{server}/generate", json={
                     "text": f"queued {i}", "sampling_params": {"max_new_tokens": 1}}))
                     for i in range(QUEUE_BOUND)]
-                for _ in range(600):  # until the worker holds all of them
-                    text = (await c.get(f"{server}/metrics")).text
-                    if metric(text, "radixray:num_queue_reqs") == QUEUE_BOUND:
-                        break
+                deadline, queued = time.monotonic() + 90, None
+                while queued != QUEUE_BOUND:  # until the worker holds all of them
+                    assert time.monotonic() < deadline, (
+                        f"the worker's queue reached {queued} of {QUEUE_BOUND} in 90 s; "
+                        f"requests done: {sum(w.done() for w in waiting)}")
                     await asyncio.sleep(0.05)
-                refused = await c.post(f"{server}/generate", json={"text": "one too many"})
+                    text = (await c.get(f"{server}/metrics")).text
+                    queued = metric(text, "radixray:num_queue_reqs")
+                # a full queue answers at once: a wait here would be admission into the pause
+                refused = await c.post(f"{server}/generate", json={"text": "one too many"},
+                                       timeout=30)
             finally:
                 await c.post(f"{server}/continue_generation")
             return refused, await asyncio.gather(*waiting)
