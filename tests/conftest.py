@@ -14,6 +14,8 @@ os.environ["RADIXRAY_EXACT"] = "1"
 # Compiled decode graphs check every C++ op's output sizes and strides against its fake
 # (kernels/fake_ops.py) in tests; served graphs skip the checks (compiled_decode.py).
 os.environ["RADIXRAY_COMPILE_SIZE_ASSERTS"] = "1"
+# ... and check every guard of a graph the split guards let run (guard_split.py).
+os.environ["RADIXRAY_COMPILE_CHECK_GUARDS"] = "1"
 # Ray's dashboard probes cloud metadata (HTTP to 169.254.169.254, DNS for
 # metadata.google.internal) and may report usage to usage-stats.ray.io: traced in
 # docs/multinode.md. Every HTTP(S) proxy points at a loopback port nothing listens on (the

@@ -17,8 +17,9 @@ adapters: each LoRA update is one opaque op (kernels/lora.py ``lora_add_segments
 per-batch row plan has unbacked symbolic sizes (any count of rows and slots, one included,
 in one graph).
 Each of the four kinds of batch runs through a compiled function of its own (a copy of
-:func:`decode_logits` with its own code object), so a step checks only its kind's guards;
-the graphs carry no size asserts (:func:`inductor_options`).
+:func:`decode_logits` with its own code object), so a step checks only its kind's guards,
+and of those the model's only after a control call (engine/executor/guard_split.py); the
+graphs carry no size asserts (:func:`inductor_options`).
 A larger batch, an extend or mixed batch, or one that records routes runs eagerly; the
 first such batch is logged with the reason. The graphs are compiled at start-up (the log
 says how long) into inductor's cache under ``~/.cache/radixray/inductor``
@@ -42,6 +43,7 @@ from radixray.engine.executor.forward_batch import (
     ForwardMode,
     LargestDecodeBatch,
 )
+from radixray.engine.executor.guard_split import SplitGuards
 from radixray.engine.weights.lora_slots import LoraBatch, LoraSlots
 
 logger = logging.getLogger(__name__)
@@ -109,7 +111,7 @@ class CompiledDecode:
         # One compiled function per kind of batch (batch 1 or more, adapters or not), each
         # with a code object of its own: dynamo keeps its graphs per code object and checks
         # their guards one after the other, so a step checks only its own kind's.
-        self._forwards: dict[tuple[bool, bool], object] = {}
+        self._forwards: dict[tuple[bool, bool], SplitGuards] = {}
         self.largest = LargestDecodeBatch(max_bs, "a decode batch of %d requests runs eagerly: "
                                           "the compiled decode step covers up to %d (raise "
                                           "torch_compile_max_bs to cover more)", logger)
@@ -122,9 +124,16 @@ class CompiledDecode:
         if compiled is None:
             code = decode_logits.__code__.replace()  # a code object (and graph cache) of its own
             fn = types.FunctionType(code, decode_logits.__globals__, decode_logits.__name__)
-            compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=inductor_options())
+            compiled = SplitGuards(torch.compile(fn, fullgraph=True, dynamic=False,
+                                                 options=inductor_options()), fn)
             self._forwards[kind] = compiled
         return compiled(self.runner.model, batch)
+
+    def model_changed(self) -> None:
+        """A control call ran between steps: each graph checks the model's guards again on
+        its next use (engine/executor/guard_split.py)."""
+        for compiled in self._forwards.values():
+            compiled.model_changed()
 
     def can_run(self, batch: ForwardBatch) -> bool:
         lora_ok = batch.lora is None or batch.lora.traceable

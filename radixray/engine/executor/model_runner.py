@@ -313,6 +313,12 @@ class ModelRunner:
             self.eplb.after_forward()
         return logits
 
+    def model_changed(self) -> None:
+        """A control call ran on the scheduler thread between steps (it may have swapped
+        weights or buffers): compiled decode graphs check the model's guards again."""
+        if self.compiled_decode is not None:
+            self.compiled_decode.model_changed()
+
     def run_model(self, batch: ForwardBatch) -> torch.Tensor:
         """The model's forward over ``batch``: a decode batch through its CUDA graph bucket
         when one applies (engine/executor/cuda_graph.py), else eagerly. Every rank of a

@@ -213,6 +213,8 @@ class Scheduler:
                 item.future.set_result(item.fn(self))
             except Exception as exc:  # the caller sees it; the loop keeps serving
                 item.future.set_exception(exc)
+            finally:  # it may have swapped weights or buffers
+                self.runner.model_changed()
         elif self.pd is not None and type(item) in self.pd.handlers:
             self.pd.handlers[type(item)](item)
         else:
