@@ -52,8 +52,7 @@ def check_full_guards() -> bool:
 class _Entry:
     """One compiled graph of the code object: its bytecode as a function, and its guards."""
 
-    code: types.CodeType
-    run: Callable
+    run: Callable  # the entry's transformed bytecode as a function
     call_guards: object  # RootGuardManager: checked on every call
     model_guards: object  # RootGuardManager: checked once per model epoch
     full_guards: object  # GuardManagerWrapper: every guard (RADIXRAY_COMPILE_CHECK_GUARDS)
@@ -100,7 +99,7 @@ class SplitGuards:
         """Wrap dynamo's cache entries for ``fn``'s code object (new ones only)."""
         try:
             cache = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(self.fn.__code__)
-            known = {id(e.code): e for e in self.entries}
+            known = {id(e.run.__code__): e for e in self.entries}
             self.entries = [known.get(id(c.code)) or self._wrap(c) for c in cache]
         except (AttributeError, RuntimeError, TypeError) as exc:
             self.disabled = f"torch's guard internals are not as expected ({exc})"
@@ -117,7 +116,7 @@ class SplitGuards:
         if model is None or call is None:
             raise RuntimeError("a guard tree could not be split")
         run = types.FunctionType(cache_entry.code, self.fn.__globals__, self.fn.__name__)
-        return _Entry(cache_entry.code, run, call, model, cache_entry.guard_manager)
+        return _Entry(run, call, model, cache_entry.guard_manager)
 
     @staticmethod
     def _assert_full(entry: _Entry, frame: dict) -> None:
