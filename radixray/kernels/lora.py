@@ -16,16 +16,21 @@ adapters and runs in the batch, not the number of rows.
 :func:`lora_add_segments` is the decode form: one opaque op (``radixray_lora::add_segments``,
 with a shape-only fake) that torch.compile keeps as a single call in a compiled decode
 step (engine/executor/compiled_decode.py), eager or compiled the same computation. The
-rows with an adapter are grouped by slot once per batch and each group padded to the
-largest (:class:`LoraSegments`); the op gathers them into ``[groups, width, in]``, runs one
-batched GEMM for the shrink and one for the expand (each row against its own adapter
-only, each slot in use read once) and gathers each row's update back beside a zero row
-for the rows without one: no scatter, whose CPU kernel was the slowest part of the
-earlier form. (The forms tried and their times: docs/benchmarks.md.)
+batch is planned once (:class:`LoraSegments`). When each adapter's rows are one run of
+consecutive rows (the scheduler keeps its running requests grouped by adapter slot), the
+op works on views of the batch: runs of equal length over adjacent slots take one batched
+GEMM for the shrink and one for the expand, added into the output in place; other runs
+take their own two GEMMs. Otherwise the rows are grouped by slot and each group padded to
+the largest; the op gathers them into ``[groups, width, in]``, runs the two batched GEMMs
+(each row against its own adapter only, each slot in use read once) and gathers each
+row's update back beside a zero row for the rows without one: no scatter, whose CPU
+kernel was the slowest part of an earlier form. (The forms tried and their times:
+docs/benchmarks.md.)
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -38,12 +43,12 @@ MIN_RUN_ROWS = 16
 @dataclass
 class LoraRows:
     """The rows of a packed batch planned once per forward pass; every LoRA layer reuses it.
-    ``runs``: ``(slot, start, end)`` for each run of at least :data:`MIN_RUN_ROWS`
-    consecutive rows of one adapter (updated through views). ``groups``: the remaining rows
-    with an adapter, ``(slot, rows)`` per slot, the rows an int64 index tensor, or None when
-    that slot covers every row of a batch too short for a run (no gather or scatter)."""
+    ``runs``: ``(slot, start, end)`` for each run of consecutive rows of one adapter updated
+    through views of the batch: every run of at least :data:`MIN_RUN_ROWS` rows, and the one
+    run of a slot that has no other rows. ``groups``: the remaining rows with an adapter,
+    ``(slot, rows)`` per slot, the rows an int64 index tensor."""
 
-    groups: list[tuple[int, torch.Tensor | None]]
+    groups: list[tuple[int, torch.Tensor]]
     num_rows: int
     runs: list[tuple[int, int, int]] = field(default_factory=list)
 
@@ -51,23 +56,28 @@ class LoraRows:
     def of(cls, row_slots: torch.Tensor) -> LoraRows:
         """Plan ``row_slots`` ``[T]`` (-1: no adapter)."""
         n = int(row_slots.numel())
-        if n == 0:
-            return cls([], 0)
-        change = (row_slots[1:] != row_slots[:-1]).nonzero().flatten() + 1
-        bounds = [0, *change.tolist(), n]
-        starts = torch.tensor(bounds[:-1])
-        runs = [(slot, start, end) for slot, start, end
-                in zip(row_slots[starts].tolist(), bounds[:-1], bounds[1:])
-                if slot >= 0 and end - start >= MIN_RUN_ROWS]
-        rest = row_slots
-        if runs:
-            rest = row_slots.clone()
-            for _, start, end in runs:
-                rest[start:end] = -1
-        slots = [int(s) for s in torch.unique(rest).tolist() if s >= 0]
-        if len(slots) == 1 and bool((rest == slots[0]).all()):
-            return cls([(slots[0], None)], n, runs)
-        return cls([(s, (rest == s).nonzero().flatten()) for s in slots], n, runs)
+        spans = adapter_spans(row_slots)
+        per_slot = Counter(slot for slot, _, _ in spans)
+        runs, rest = [], {}
+        for slot, start, end in spans:
+            if per_slot[slot] == 1 or end - start >= MIN_RUN_ROWS:
+                runs.append((slot, start, end))
+            else:
+                rest.setdefault(slot, []).append(torch.arange(start, end))
+        return cls([(slot, torch.cat(parts)) for slot, parts in sorted(rest.items())], n, runs)
+
+
+def adapter_spans(row_slots: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``(slot, start, end)`` of each maximal run of consecutive rows of one adapter in
+    ``row_slots`` ``[T]`` (rows of slot -1, no adapter, are left out), in row order."""
+    n = int(row_slots.numel())
+    if n == 0:
+        return []
+    change = (row_slots[1:] != row_slots[:-1]).nonzero().flatten() + 1
+    bounds = [0, *change.tolist(), n]
+    slots = row_slots[torch.tensor(bounds[:-1])].tolist()
+    return [(slot, start, end) for slot, start, end in zip(slots, bounds[:-1], bounds[1:])
+            if slot >= 0]
 
 
 def lora_add(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -78,12 +88,8 @@ def lora_add(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
     for slot, start, end in rows.runs:
         _add_rows(base[start:end], x[start:end], a[slot], b[slot], float(scalings[slot]))
     for slot, idx in rows.groups:
-        scale = float(scalings[slot])
-        if idx is None:
-            _add_rows(base, x, a[slot], b[slot], scale)
-        else:
-            delta = (x.index_select(0, idx) @ a[slot].T) @ b[slot].T
-            base.index_add_(0, idx, delta.to(base.dtype), alpha=scale)
+        delta = (x.index_select(0, idx) @ a[slot].T) @ b[slot].T
+        base.index_add_(0, idx, delta.to(base.dtype), alpha=float(scalings[slot]))
     return base
 
 
@@ -98,28 +104,46 @@ def _add_rows(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Ten
 
 @dataclass
 class LoraSegments:
-    """A decode batch's rows that use an adapter, grouped by slot (ascending) and padded to
-    the largest group, built once per batch. Group ``g`` holds slot ``slots[g]``'s rows at
+    """A decode batch's rows that use an adapter, planned once per batch, in one of two forms.
+
+    Runs (each slot's rows consecutive, as the scheduler orders its running requests):
+    ``runs`` ``[n, 3]`` holds each run's ``(slot, start, end)`` in row order, ``slots`` and
+    ``scales`` each run's slot and scaling; ``gather`` and ``places`` are empty.
+
+    Groups (otherwise): ``runs`` is empty; the rows are grouped by slot (ascending) and padded
+    to the largest group. Group ``g`` holds slot ``slots[g]``'s rows at
     ``gather[g*width:(g+1)*width]`` (a short group repeats its first row: the padding's
     results are never read); ``places`` ``[T]`` gives each row's index into ``gather``, or
-    ``n*width`` (a zero row) for a row without an adapter; ``scales`` ``[n]`` are the groups'
-    scalings in the weights' dtype."""
+    ``n*width`` (a zero row) for a row without an adapter.
+
+    ``scales`` ``[n]`` are in the weights' dtype."""
 
     gather: torch.Tensor
     slots: torch.Tensor
     scales: torch.Tensor
     places: torch.Tensor
+    runs: torch.Tensor
 
     @classmethod
-    def of(cls, row_slots: torch.Tensor, scalings: torch.Tensor,
-           dtype: torch.dtype) -> LoraSegments:
-        """The segments of ``row_slots`` ``[T]`` (-1: no adapter) with ``scalings`` ``[slots]``."""
+    def of(cls, row_slots: torch.Tensor, scalings: torch.Tensor, dtype: torch.dtype,
+           runs: bool = True) -> LoraSegments:
+        """The segments of ``row_slots`` ``[T]`` (-1: no adapter) with ``scalings`` ``[slots]``:
+        the runs form where the rows allow it (``runs`` False: always the groups form, which
+        bench/lora_decode_forms.py compares it with)."""
+        spans = adapter_spans(row_slots) if runs else []
+        if spans and len({slot for slot, _, _ in spans}) == len(spans):  # one run per slot
+            runs = torch.tensor(spans, dtype=torch.int64)
+            slots = torch.tensor([slot for slot, _, _ in spans], dtype=torch.int64)  # no view
+            # two empty tensors, not one twice: the compiled step must not see them aliased
+            return cls(torch.zeros(0, dtype=torch.int64), slots, scalings[slots].to(dtype),
+                       torch.zeros(0, dtype=torch.int64), runs)
+        no_runs = torch.zeros(0, 3, dtype=torch.int64)
         total = row_slots.numel()
         slots, counts = torch.unique(row_slots[row_slots >= 0], return_counts=True)
         n = slots.numel()
         places = torch.zeros(total, dtype=torch.int64)
         if not n:
-            return cls(places[:0], slots, scalings[:0].to(dtype), places)
+            return cls(places[:0], slots, scalings[:0].to(dtype), places, no_runs)
         width = int(counts.max())
         rows = torch.argsort(row_slots, stable=True)[total - int(counts.sum()):]  # -1 first
         group = torch.repeat_interleave(torch.arange(n), counts)
@@ -129,7 +153,7 @@ class LoraSegments:
         gather[place] = rows
         places.fill_(n * width)
         places[rows] = place
-        return cls(gather, slots, scalings[slots].to(dtype), places)
+        return cls(gather, slots, scalings[slots].to(dtype), places, no_runs)
 
 
 def lora_add_segments(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -137,21 +161,21 @@ def lora_add_segments(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: t
     """``base`` ``[T, out]`` plus each row's adapter update of ``x`` ``[T, in]`` (the module
     docstring), ``a`` ``[slots, r, in]``, ``b`` ``[slots, out, r]``; a new tensor."""
     return torch.ops.radixray_lora.add_segments(base, x, a, b, segments.gather, segments.slots,
-                                                segments.scales, segments.places)
+                                                segments.scales, segments.places, segments.runs)
 
 
 @torch.library.custom_op("radixray_lora::add_segments", mutates_args=())
 def _add_segments(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                   gather: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor,
-                  places: torch.Tensor) -> torch.Tensor:
+                  places: torch.Tensor, runs: torch.Tensor) -> torch.Tensor:
+    if runs.numel():
+        return _add_runs(base, x, a, b, runs.tolist(), slots, scales)
     n = slots.numel()
     if not n:
         return base.clone()
     width = gather.numel() // n
-    if int(slots[-1]) == n - 1:  # the first n slots: views, no copy
-        a, b = a[:n], b[:n]
-    else:
-        a, b = a.index_select(0, slots), b.index_select(0, slots)
+    first = int(slots[0])  # the slots ascend: consecutive when the last is n - 1 on
+    a, b = _slot_weights(a, b, slots, first, int(slots[-1]) == first + n - 1)
     shrink = torch.bmm(x.index_select(0, gather).view(n, width, -1), a.transpose(1, 2))
     shrink.mul_(scales.view(n, 1, 1))
     delta = torch.bmm(shrink, b.transpose(1, 2)).view(n * width, -1)
@@ -160,8 +184,43 @@ def _add_segments(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch
 
 
 @_add_segments.register_fake
-def _(base, x, a, b, gather, slots, scales, places):
+def _(base, x, a, b, gather, slots, scales, places, runs):
     return torch.empty_like(base)
+
+
+def _slot_weights(a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+                  first: int, consecutive: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` and ``b`` of ``slots`` (``first`` the first of them) stacked in their order:
+    views when the slots are ``consecutive`` and ascending, else gathered copies."""
+    if consecutive:
+        return a[first:first + slots.numel()], b[first:first + slots.numel()]
+    return a.index_select(0, slots), b.index_select(0, slots)
+
+
+def _add_runs(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+              runs: list[list[int]], slots: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The runs form of :func:`_add_segments`: runs of one length laid end to end take one
+    batched GEMM each for the shrink and the expand on views of ``x`` and the output; other
+    runs take two GEMMs each."""
+    out = base.clone(memory_format=torch.contiguous_format)
+    (first, start, stop), n = runs[0], len(runs)
+    width = stop - start
+    if n == 1 or any(r[1] != start + i * width or r[2] - r[1] != width
+                     for i, r in enumerate(runs)):
+        for (slot, lo, hi), scale in zip(runs, scales.tolist()):
+            _add_rows(out[lo:hi], x[lo:hi], a[slot], b[slot], scale)
+        return out
+    end = start + n * width
+    consecutive = all(r[0] == first + i for i, r in enumerate(runs))
+    a, b = _slot_weights(a, b, slots, first, consecutive)
+    shrink = torch.bmm(x[start:end].reshape(n, width, -1), a.transpose(1, 2))
+    shrink.mul_(scales.view(n, 1, 1))
+    block = out[start:end].view(n, width, -1)
+    if out.dtype == b.dtype:
+        block.baddbmm_(shrink, b.transpose(1, 2))
+    else:
+        block.add_(torch.bmm(shrink, b.transpose(1, 2)).to(out.dtype))
+    return out
 
 
 def lora_add_reference(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,

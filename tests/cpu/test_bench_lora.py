@@ -60,3 +60,25 @@ def test_bench_lora_end_to_end(tiny_llama_dir, tmp_path, capsys):
     assert r["engine_options"]["max_running_requests"] == 4
     printed = capsys.readouterr().out
     assert "lora_4" in printed and "adapters cost" in printed
+
+
+def test_the_decode_forms_script_gives_both_forms_the_same_tokens(tiny_llama_dir, tmp_path):
+    """bench/lora_decode_forms.py on the tiny Llama: one round of each form of the decode
+    op, the same tokens, the JSON written, and the plan's classmethod put back."""
+    import importlib.util
+    import pathlib
+
+    from radixray.kernels.lora import LoraSegments
+    script = pathlib.Path(__file__).parents[2] / "bench" / "lora_decode_forms.py"
+    spec = importlib.util.spec_from_file_location("lora_decode_forms", script)
+    forms = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(forms)
+    original = LoraSegments.__dict__["of"]
+    out_json = tmp_path / "forms.json"
+    out = forms.main(["--num-prompts", "4", "--input-len", "8", "--output-len", "6",
+                      "--num-adapters", "2", "--lora-rank", "4", "--rounds", "1",
+                      "--engine-json", json.dumps({"model": tiny_llama_dir, "dtype": "float32"}),
+                      "--output-json", str(out_json)])
+    assert out["same_tokens"] and json.loads(out_json.read_text())["rounds"] == 1
+    assert out["runs"]["median_tpot_ms"] > 0 and out["groups"]["median_tpot_ms"] > 0
+    assert LoraSegments.__dict__["of"] is original

@@ -66,11 +66,21 @@ def test_one_mixed_batch_equals_hf_with_each_adapter_merged(lora_eng, references
     choice = [None, "alpha", "beta", "alpha", None, "beta"]
     batch = [p for p in prompts] + [prompts[1], prompts[2]]
     loras = choice + ["beta", None]
-    outs = lora_eng.generate(input_ids=batch, sampling_params=GREEDY, lora_path=loras)
+    orders = []  # each step's running requests, as their adapter slots
+    lora_eng.call_in_loop(lambda s: setattr(s, "on_step", lambda sched: orders.append(
+        [sched.runner.lora.slot_index(r.lora) for r in sched.queues.running])))
+    try:
+        outs = lora_eng.generate(input_ids=batch, sampling_params=GREEDY, lora_path=loras)
+    finally:
+        lora_eng.call_in_loop(lambda s: setattr(s, "on_step", None))
     for i, (out, name) in enumerate(zip(outs, loras)):
         p = i if i < 6 else (1 if i == 6 else 2)
         ref, gaps = refs[(name, p)]
         assert_greedy_equal(out["output_ids"], ref, gaps, f"adapter {name} prompt {p}")
+    # the running batch stays grouped by slot (base first), so each adapter's decode rows
+    # are one run of the batch (kernels/lora.py's runs form)
+    assert len(max(orders, key=len)) == len(batch)
+    assert all(order == sorted(order) for order in orders), orders
 
 
 def test_one_slot_serves_a_mixed_batch_by_turns(tiny_llama_dir, lora_adapters, references):
@@ -105,7 +115,7 @@ def test_the_batched_lora_matmul_equals_its_reference():
     assert torch.equal(got[row_slots < 0], base[row_slots < 0])  # no adapter: untouched
     same = torch.full((rows,), 1)
     rows_all = LoraRows.of(same[:MIN_RUN_ROWS - 1])
-    assert rows_all.groups == [(1, None)] and not rows_all.runs  # one adapter: no gather
+    assert rows_all.runs == [(1, 0, MIN_RUN_ROWS - 1)] and not rows_all.groups  # no gather
     torch.testing.assert_close(lora_add(base[:MIN_RUN_ROWS - 1].clone(), x[:MIN_RUN_ROWS - 1],
                                         a, b, scalings, rows_all),
                                lora_add_reference(base[:MIN_RUN_ROWS - 1], x[:MIN_RUN_ROWS - 1],
@@ -140,18 +150,32 @@ def test_a_long_run_of_one_adapter_is_updated_in_place_and_the_rest_grouped():
     assert torch.equal(got[row_slots < 0], base[row_slots < 0])
     whole = LoraRows.of(torch.full((MIN_RUN_ROWS,), 2))
     assert whole.runs == [(2, 0, MIN_RUN_ROWS)] and whole.groups == []
+    # riders grouped by slot (as the scheduler orders them): each slot's one run is a view
+    grouped = torch.tensor([-1, 0, 0, 2, 1, 1, 1, -1])
+    plan = LoraRows.of(grouped)
+    assert plan.runs == [(0, 1, 3), (2, 3, 4), (1, 4, 7)] and plan.groups == []
+    torch.testing.assert_close(lora_add(base[:8].clone(), x[:8], a, b, scalings, plan),
+                               lora_add_reference(base[:8], x[:8], a, b, scalings, grouped),
+                               rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("row_slots,d_in", [
-    ([-1, 0, 0, 3, -1, 1, 3, 3, 0], 40),  # ragged: slot 2 unused, rows of none between
-    ([-1, 0, 0, 3, -1, 1, 3, 3, 0], 42),  # rows not 16-byte aligned
-    ([3, -1, 0, 3, 3], 40),  # slots in use not the first ones: weights gathered
-    ([1, 0, -1, 0], 40),  # the first slots: weight views
-    ([2, 2, 2], 40),  # one slot, not the first
-    ([1], 40),  # one row
-    ([-1, -1, -1, -1], 40),  # no row with an adapter
-], ids=["ragged", "unaligned", "gathered-slots", "first-slots", "one-slot", "one-row", "none"])
-def test_the_segmented_lora_update_equals_its_reference(row_slots, d_in):
+@pytest.mark.parametrize("row_slots,d_in,runs", [
+    ([-1, 0, 0, 3, -1, 1, 3, 3, 0], 40, False),  # ragged: slot 2 unused, rows of none between
+    ([-1, 0, 0, 3, -1, 1, 3, 3, 0], 42, False),  # rows not 16-byte aligned
+    ([3, -1, 0, 3, 3], 40, False),  # slots in use not the first ones: weights gathered
+    ([1, 0, -1, 0], 40, False),  # the first slots: weight views
+    ([2, 2, 2], 40, True),  # one slot, not the first
+    ([1], 40, True),  # one row
+    ([-1, -1, -1, -1], 40, False),  # no row with an adapter
+    ([-1, 1, 1, 2, 2, 3, 3, -1], 40, True),  # runs of one length, adjacent slots: views
+    ([-1, 1, 1, 2, 2, 3, 3, -1], 42, True),  # the same, unaligned
+    ([4, 4, 0, 0, 2, 2], 40, True),  # runs of one length, slots not adjacent: gathered
+    ([1, 1, 1, 0, 2, 2, -1], 40, True),  # runs of several lengths: one GEMM pair each
+    ([0, 0, -1, 1, 1], 40, True),  # runs of one length, not end to end
+], ids=["ragged", "unaligned", "gathered-slots", "first-slots", "one-slot", "one-row", "none",
+        "uniform-runs", "uniform-runs-unaligned", "uniform-runs-gathered", "uneven-runs",
+        "runs-apart"])
+def test_the_segmented_lora_update_equals_its_reference(row_slots, d_in, runs):
     gen = torch.Generator().manual_seed(1)
     slots, rank, d_out = 5, 8, 24
     a = torch.randn(slots, rank, d_in, generator=gen)
@@ -161,10 +185,12 @@ def test_the_segmented_lora_update_equals_its_reference(row_slots, d_in):
     x = torch.randn(len(row_slots), d_in, generator=gen)
     base = torch.randn(len(row_slots), d_out, generator=gen)
     segments = LoraSegments.of(row_slots, scalings, torch.float32)
-    got = lora_add_segments(base, x, a, b, segments)
-    torch.testing.assert_close(got, lora_add_reference(base, x, a, b, scalings, row_slots),
-                               rtol=1e-5, atol=1e-5)
-    assert torch.equal(got[row_slots < 0], base[row_slots < 0])  # no adapter: untouched
+    assert bool(segments.runs.numel()) == runs  # the form the plan took
+    want = lora_add_reference(base, x, a, b, scalings, row_slots)
+    for plan in (segments, LoraSegments.of(row_slots, scalings, torch.float32, runs=False)):
+        got = lora_add_segments(base, x, a, b, plan)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[row_slots < 0], base[row_slots < 0])  # no adapter: untouched
 
 
 def test_compiled_decode_runs_adapter_batches_with_the_eager_tokens(

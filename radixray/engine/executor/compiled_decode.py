@@ -158,7 +158,7 @@ class CompiledDecode:
                 meta["seq_lens"]]
         if batch.lora is not None:
             plan = batch.lora.segments
-            for t in (plan.gather, plan.slots, plan.scales, plan.places):
+            for t in (plan.gather, plan.slots, plan.scales, plan.places, plan.runs):
                 torch._dynamo.decorators.mark_unbacked(t, 0)
         if batch.batch_size > 1:
             for t in rows:

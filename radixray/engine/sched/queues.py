@@ -12,19 +12,24 @@ iterates one may act on the requests while it does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from radixray.engine.request import Req
 
 
 class RequestQueues:
     """``waiting`` (admission order; the policy reorders a copy), ``chunked`` (the one
     request whose prompt is prefilled chunk by chunk; it is in neither list) and ``running``
-    (decoding, in arrival order). A request is in at most one of them."""
+    (decoding, in arrival order, or stably sorted by ``running_order`` when one is set: with
+    LoRA, the adapter slot, so each adapter's rows of a decode batch are consecutive). A
+    request is in at most one of them."""
 
     def __init__(self) -> None:
         self._waiting: list[Req] = []
         self._running: list[Req] = []
         self._chunked: Req | None = None
         self.max_running_seen = 0  # peak number of requests decoding together (tests, logs)
+        self.running_order: Callable[[Req], int] | None = None
 
     # ---- reading -------------------------------------------------------------------
     @property
@@ -92,6 +97,8 @@ class RequestQueues:
     def start_running(self, req: Req) -> None:
         """``req`` decodes from the next step on."""
         self._running.append(req)
+        if self.running_order is not None:
+            self._running.sort(key=self.running_order)
         self.max_running_seen = max(self.max_running_seen, len(self._running))
 
     def drop_finished(self) -> None:

@@ -93,8 +93,9 @@ class Scheduler:
                                              lambda: self.inbox.put(GrammarWake()))
         self.decoder = self._create_decoder()
         self.prefill = PrefillBuilder(self)
-        if getattr(runner, "lora", None) is not None:  # running requests keep their slots
-            runner.lora.pinned = lambda: active_adapters(self.queues)
+        if getattr(runner, "lora", None) is not None:  # running requests keep their slots,
+            runner.lora.pinned = lambda: active_adapters(self.queues)  # grouped by slot
+            self.queues.running_order = lambda req: runner.lora.slot_index(req.lora)
 
     def _create_decoder(self) -> PlainDecoder:
         """The decode strategy the config asks for: overlap, speculative or plain."""

@@ -74,9 +74,11 @@ class LoraBatch:
     The model calls :meth:`apply` after each LoRA target's base projection.
 
     A decode batch on the CPU (``decode``) runs one op per target (kernels/lora.py
-    ``lora_add_segments``) over its rows sorted by slot here, once: no Python per adapter in
-    the forward, so a compiled decode step runs it (``traceable``). Other batches group
-    their rows by slot (``lora_add``), or run triton's segmented kernels on CUDA."""
+    ``lora_add_segments``) over its rows planned by slot here, once: no Python per adapter
+    in the forward, so a compiled decode step runs it (``traceable``). Other batches run
+    their rows by slot (``lora_add``), or triton's segmented kernels on CUDA. The scheduler
+    keeps its running requests ordered by :meth:`LoraSlots.slot_index`, so each adapter's
+    decode rows are consecutive."""
 
     def __init__(self, slots: LoraSlots, row_slots: torch.Tensor, decode: bool = False):
         self.slots = slots
@@ -229,6 +231,13 @@ class LoraSlots:
         logger.info("LoRA adapter %s %s version %r (%d running requests)", adapter.name,
                     "updated to" if floor is None else "rolled back to", version, len(users))
         return len(users)
+
+    def slot_index(self, name: str | None) -> int:
+        """The slot holding adapter ``name``: -1 for none (the base model), ``num_slots``
+        when it is in no slot. What the scheduler orders its running requests by."""
+        if name is None:
+            return -1
+        return self.slot_names.index(name) if name in self.slot_names else self.num_slots
 
     def resident(self) -> list[str]:
         """The adapters in the device slots now, least recently used first (any thread: a
