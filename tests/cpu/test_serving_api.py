@@ -38,11 +38,11 @@ def client(server):
 
 
 def test_models_health_ready(server):
-    models = httpx.get(f"{server}/v1/models").json()
+    models = httpx.get(f"{server}/v1/models", timeout=60).json()
     assert [m["id"] for m in models["data"]] == ["tiny"]
     for path in ("/health", "/ready", "/health_generate"):
         assert httpx.get(server + path, timeout=60).status_code == 200, path
-    assert httpx.post(f"{server}/flush_cache").status_code == 200
+    assert httpx.post(f"{server}/flush_cache", timeout=60).status_code == 200
 
 
 def test_completions_equal_in_process_engine(client, eng):
@@ -159,7 +159,7 @@ def test_repeated_prompt_reports_cached_tokens(server, client):
 def test_metrics_move_by_the_request(server):
     ids = [(7 * i + 3) % 300 + 1 for i in range(40)]  # 40 tokens nobody sent before
     def scrape():
-        return httpx.get(f"{server}/metrics").text
+        return httpx.get(f"{server}/metrics", timeout=60).text
     before = scrape()
     for _ in range(2):
         r = httpx.post(f"{server}/generate", json={"input_ids": ids, "sampling_params": {
@@ -272,10 +272,10 @@ def test_json_body_without_json_content_type(server):
     ("/generate", {"text": "hi", "return_routed_experts": True}, "needs a mixture-of-experts"),
 ])
 def test_bad_completion_and_generate_input(server, path, body, needle):
-    r = httpx.post(server + path, json=body)
+    r = httpx.post(server + path, json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
-    assert httpx.post(f"{server}/generate", json={"text": "hi"}).status_code == 200
+    assert httpx.post(f"{server}/generate", json={"text": "hi"}, timeout=60).status_code == 200
 
 
 def test_client_disconnect_aborts_and_returns_kv(server):
@@ -296,18 +296,26 @@ def test_pause_and_continue_generation_on_the_whole_fleet(server):
 
     def worker0():
         return httpx.get(f"{server}/debug/kv_conservation", timeout=60).json()["worker-0"]
+
+    def wait_for(what: str, key: str, thread) -> None:
+        """Poll worker 0 until it has a request ``what`` (running or waiting), failing with
+        what it saw if the request ``key`` ended first or 90 s pass."""
+        deadline = time.monotonic() + 90
+        while (seen := worker0())[what] < 1:
+            assert thread.is_alive(), (f"{key} ended before it was {what}: "
+                                       f"{getattr(box.get(key), 'text', 'no answer')[:300]}")
+            assert time.monotonic() < deadline, f"no request {what} after 90 s: {seen}"
+            time.sleep(0.05)
     long = threading.Thread(target=post, args=("long", 1000))
     long.start()
-    while worker0()["running"] < 1:
-        time.sleep(0.05)
+    wait_for("running", "long", long)
     r = httpx.post(f"{server}/pause_generation", json={"mode": "abort"}, timeout=60)
     assert r.status_code == 200 and r.json() == {"mode": "abort", "requests": {"worker-0": 1}}
     long.join(60)
     assert box["long"].json()["meta_info"]["finish_reason"]["type"] == "abort"
     held = threading.Thread(target=post, args=("held", 3))
     held.start()
-    while worker0()["waiting"] < 1:
-        time.sleep(0.05)
+    wait_for("waiting", "held", held)
     assert "held" not in box
     r = httpx.post(f"{server}/continue_generation", timeout=60)
     assert r.status_code == 200 and r.json() == {"was_paused": {"worker-0": True}}
