@@ -9,9 +9,11 @@ A batch mixes requests of several adapters and of none. Row ``t`` uses the adapt
 :func:`lora_add_reference` computes it row by row (the reference); :func:`lora_add` plans
 the rows once per batch (:class:`LoraRows`): a long run of consecutive rows of one adapter
 (a prefill chunk of one request) runs its two GEMMs on views of the batch and adds into
-``base`` in place, with no gather or scatter; the other rows (decode riders, short chunks)
-are grouped by slot, two GEMMs per distinct adapter, so the cost grows with the number of
-adapters and runs in the batch, not the number of rows.
+``base`` in place, with no gather or scatter (a fused target's expand by parts, on the
+diagonal blocks of its B, once the run is long enough to gain from skipping the zero
+blocks); the other rows (decode riders, short chunks) are grouped by slot, two GEMMs per
+distinct adapter, so the cost grows with the number of adapters and runs in the batch, not
+the number of rows.
 
 :func:`lora_add_segments` is the decode form: one opaque op (``radixray_lora::add_segments``,
 with a shape-only fake) that torch.compile keeps as a single call in a compiled decode
@@ -38,6 +40,10 @@ import torch
 # Rows of one adapter in a row at least this long run as a view of the batch: below it, the
 # GEMMs of many short runs cost more than gathering their rows with the others of their slot.
 MIN_RUN_ROWS = 16
+# A run at least this long expands a fused target's parts (q|k|v, gate|up) one by one on
+# B's diagonal blocks, skipping its zero blocks; below it one GEMM over the whole
+# block-diagonal B is faster (docs/benchmarks.md, "LoRA expand by parts").
+MIN_PART_ROWS = 128
 
 
 @dataclass
@@ -81,11 +87,19 @@ def adapter_spans(row_slots: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 def lora_add(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-             scalings: torch.Tensor, rows: LoraRows) -> torch.Tensor:
+             scalings: torch.Tensor, rows: LoraRows,
+             parts: tuple[int, ...] | None = None) -> torch.Tensor:
     """``base`` ``[T, out]`` plus each row's adapter update of ``x`` ``[T, in]`` (see the module
     docstring); ``a`` ``[slots, r, in]``, ``b`` ``[slots, out, r]``, ``scalings`` ``[slots]``
-    (a CPU float tensor). Adds into ``base`` in place and returns it."""
+    (a CPU float tensor). ``parts``: the output widths of a fused target whose ``b`` is
+    block-diagonal (``len(parts)`` blocks of ``r / len(parts)`` columns, as LoraSlots stacks
+    q|k|v and gate|up); a long run then skips the zero blocks. Adds into ``base`` in place
+    and returns it."""
     for slot, start, end in rows.runs:
+        if parts is not None and len(parts) > 1 and end - start >= MIN_PART_ROWS:
+            _add_rows_by_part(base[start:end], x[start:end], a[slot], b[slot],
+                              float(scalings[slot]), parts)
+            continue
         _add_rows(base[start:end], x[start:end], a[slot], b[slot], float(scalings[slot]))
     for slot, idx in rows.groups:
         delta = (x.index_select(0, idx) @ a[slot].T) @ b[slot].T
@@ -100,6 +114,24 @@ def _add_rows(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Ten
         base.addmm_(x @ a.T, b.T, alpha=scale)  # the add in the GEMM
     else:
         base.add_((x @ a.T) @ b.T, alpha=scale)
+
+
+def _add_rows_by_part(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                      scale: float, parts: tuple[int, ...]) -> None:
+    """:func:`_add_rows` for a block-diagonal ``b`` ``[sum(parts), len(parts) * r]``: each
+    part's columns of ``base`` take one GEMM with its own ``r`` columns of the shrink and its
+    diagonal block of ``b`` (strided views, no copies), so the zero blocks cost nothing."""
+    shrink = x @ a.T
+    rank = a.shape[0] // len(parts)
+    start = 0
+    for i, width in enumerate(parts):
+        cols = slice(i * rank, (i + 1) * rank)
+        out, block = base[:, start:start + width], b[start:start + width, cols].T
+        if out.dtype == block.dtype:
+            out.addmm_(shrink[:, cols], block, alpha=scale)
+        else:
+            out.add_(shrink[:, cols] @ block, alpha=scale)
+        start += width
 
 
 @dataclass

@@ -22,6 +22,7 @@ from model_fixtures import (
 
 from radixray import Engine
 from radixray.kernels.lora import (
+    MIN_PART_ROWS,
     MIN_RUN_ROWS,
     LoraRows,
     LoraSegments,
@@ -157,6 +158,32 @@ def test_a_long_run_of_one_adapter_is_updated_in_place_and_the_rest_grouped():
     torch.testing.assert_close(lora_add(base[:8].clone(), x[:8], a, b, scalings, plan),
                                lora_add_reference(base[:8], x[:8], a, b, scalings, grouped),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("base_dtype", [torch.float32, torch.bfloat16])
+def test_a_long_run_expands_a_fused_target_by_parts(base_dtype):
+    """A run of at least MIN_PART_ROWS rows on a fused target (q|k|v: a block-diagonal B, as
+    LoraSlots stacks it) expands part by part on B's diagonal blocks and equals the
+    reference; a shorter run and the riders take the whole-B GEMMs; the result is the same
+    with and without ``parts`` (the zero blocks add nothing)."""
+    gen = torch.Generator().manual_seed(3)
+    slots, rank, d_in, parts = 3, 4, 40, (24, 8, 8)
+    a = torch.randn(slots, len(parts) * rank, d_in, generator=gen)
+    b = torch.stack([torch.block_diag(*(torch.randn(w, rank, generator=gen) for w in parts))
+                     for _ in range(slots)])
+    scalings = torch.tensor([0.5, 2.0, 1.25])
+    row_slots = torch.tensor([0, -1, 2] + [1] * MIN_PART_ROWS + [2] * MIN_RUN_ROWS + [0, -1])
+    x = torch.randn(len(row_slots), d_in, generator=gen)
+    base = torch.randn(len(row_slots), sum(parts), generator=gen).to(base_dtype)
+    plan = LoraRows.of(row_slots)
+    assert (1, 3, 3 + MIN_PART_ROWS) in plan.runs
+    got = lora_add(base.clone(), x, a, b, scalings, plan, parts)
+    tol = 1e-5 if base_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, lora_add_reference(base, x, a, b, scalings, row_slots),
+                               rtol=tol, atol=tol)
+    torch.testing.assert_close(got, lora_add(base.clone(), x, a, b, scalings, plan),
+                               rtol=tol, atol=tol)
+    assert torch.equal(got[row_slots < 0], base[row_slots < 0])
 
 
 @pytest.mark.parametrize("row_slots,d_in,runs", [

@@ -108,7 +108,8 @@ class LoraBatch:
             return lora_add_triton(base, x, a, b, self.slots.device_scalings(), self._rows)
         if self._rows is None:
             self._rows = LoraRows.of(self.row_slots)
-        return lora_add(base, x, a, b, self.slots.scalings, self._rows)
+        return lora_add(base, x, a, b, self.slots.scalings, self._rows,
+                        self.slots.targets[target].out_parts)
 
 
 class LoraSlots:
