@@ -42,7 +42,9 @@ import torch
 MIN_RUN_ROWS = 16
 # A run at least this long expands a fused target's parts (q|k|v, gate|up) one by one on
 # B's diagonal blocks, skipping its zero blocks; below it one GEMM over the whole
-# block-diagonal B is faster (docs/benchmarks.md, "LoRA expand by parts").
+# block-diagonal B is faster (docs/benchmarks.md, "LoRA expand by parts";
+# bench/lora_forms.py --compare expand-parts). The two agree to rounding (the whole B's GEMM
+# sums its zero blocks too, in its own order), as any two GEMM shapes may.
 MIN_PART_ROWS = 128
 
 
@@ -161,7 +163,7 @@ class LoraSegments:
            runs: bool = True) -> LoraSegments:
         """The segments of ``row_slots`` ``[T]`` (-1: no adapter) with ``scalings`` ``[slots]``:
         the runs form where the rows allow it (``runs`` False: always the groups form, which
-        bench/lora_decode_forms.py compares it with)."""
+        bench/lora_forms.py compares it with)."""
         spans = adapter_spans(row_slots) if runs else []
         if spans and len({slot for slot, _, _ in spans}) == len(spans):  # one run per slot
             runs = torch.tensor(spans, dtype=torch.int64)

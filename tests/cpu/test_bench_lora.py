@@ -62,17 +62,21 @@ def test_bench_lora_end_to_end(tiny_llama_dir, tmp_path, capsys):
     assert "lora_4" in printed and "adapters cost" in printed
 
 
-def test_the_decode_forms_script_gives_both_forms_the_same_tokens(tiny_llama_dir, tmp_path):
-    """bench/lora_decode_forms.py on the tiny Llama: one round of each form of the decode
-    op, the same tokens, the JSON written, and the plan's classmethod put back."""
+def _forms_script():
     import importlib.util
     import pathlib
-
-    from radixray.kernels.lora import LoraSegments
-    script = pathlib.Path(__file__).parents[2] / "bench" / "lora_decode_forms.py"
-    spec = importlib.util.spec_from_file_location("lora_decode_forms", script)
+    script = pathlib.Path(__file__).parents[2] / "bench" / "lora_forms.py"
+    spec = importlib.util.spec_from_file_location("lora_forms", script)
     forms = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(forms)
+    return forms
+
+
+def test_the_decode_forms_script_gives_both_forms_the_same_tokens(tiny_llama_dir, tmp_path):
+    """bench/lora_forms.py on the tiny Llama: one round of each form of the decode op, the
+    same tokens, the JSON written, and the plan's classmethod put back."""
+    from radixray.kernels.lora import LoraSegments
+    forms = _forms_script()
     original = LoraSegments.__dict__["of"]
     out_json = tmp_path / "forms.json"
     out = forms.main(["--num-prompts", "4", "--input-len", "8", "--output-len", "6",
@@ -82,3 +86,19 @@ def test_the_decode_forms_script_gives_both_forms_the_same_tokens(tiny_llama_dir
     assert out["same_tokens"] and json.loads(out_json.read_text())["rounds"] == 1
     assert out["runs"]["median_tpot_ms"] > 0 and out["groups"]["median_tpot_ms"] > 0
     assert LoraSegments.__dict__["of"] is original
+
+
+def test_the_expand_parts_comparison_gives_both_forms_the_same_tokens(tiny_llama_dir):
+    """``--compare expand-parts`` with prompts long enough for the parts (MIN_PART_ROWS):
+    the same first tokens by parts and by the whole B, compared by batch seconds (one token
+    each), and the threshold put back."""
+    from radixray.kernels import lora as lora_kernels
+    forms = _forms_script()
+    threshold = lora_kernels.MIN_PART_ROWS
+    out = forms.main(["--compare", "expand-parts", "--num-prompts", "2",
+                      "--input-len", str(threshold), "--output-len", "1",
+                      "--num-adapters", "2", "--lora-rank", "4", "--rounds", "1",
+                      "--engine-json", json.dumps({"model": tiny_llama_dir, "dtype": "float32"})])
+    assert out["same_tokens"] and out["compared_by"] == "seconds"
+    assert out["parts"]["median_seconds"] > 0 and out["whole"]["median_tpot_ms"] is None
+    assert lora_kernels.MIN_PART_ROWS == threshold
