@@ -88,13 +88,18 @@ def test_the_decode_forms_script_gives_both_forms_the_same_tokens(tiny_llama_dir
     assert LoraSegments.__dict__["of"] is original
 
 
-def test_the_expand_parts_comparison_gives_both_forms_the_same_tokens(tiny_llama_dir):
+def test_the_expand_parts_comparison_gives_both_forms_the_same_tokens(tiny_llama_dir,
+                                                                     monkeypatch):
     """``--compare expand-parts`` with prompts long enough for the parts (MIN_PART_ROWS):
-    the same first tokens by parts and by the whole B, compared by batch seconds (one token
-    each), and the threshold put back."""
+    the parts' path ran, the same first tokens by parts and by the whole B, compared by
+    batch seconds (one token each), and the threshold put back."""
     from radixray.kernels import lora as lora_kernels
     forms = _forms_script()
     threshold = lora_kernels.MIN_PART_ROWS
+    calls = []
+    by_part = lora_kernels._add_rows_by_part
+    monkeypatch.setattr(lora_kernels, "_add_rows_by_part",
+                        lambda *args: calls.append(args[-1]) or by_part(*args))
     out = forms.main(["--compare", "expand-parts", "--num-prompts", "2",
                       "--input-len", str(threshold), "--output-len", "1",
                       "--num-adapters", "2", "--lora-rank", "4", "--rounds", "1",
@@ -102,3 +107,4 @@ def test_the_expand_parts_comparison_gives_both_forms_the_same_tokens(tiny_llama
     assert out["same_tokens"] and out["compared_by"] == "seconds"
     assert out["parts"]["median_seconds"] > 0 and out["whole"]["median_tpot_ms"] is None
     assert lora_kernels.MIN_PART_ROWS == threshold
+    assert len(set(calls)) == 2, calls[:4]  # q|k|v and gate|up, by parts
