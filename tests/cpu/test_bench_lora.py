@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from radixray import Engine
@@ -60,6 +61,25 @@ def test_bench_lora_end_to_end(tiny_llama_dir, tmp_path, capsys):
     assert r["engine_options"]["max_running_requests"] == 4
     printed = capsys.readouterr().out
     assert "lora_4" in printed and "adapters cost" in printed
+
+
+def test_bench_lora_rounds_pair_each_cost_with_its_own_base(tiny_llama_dir, tmp_path, capsys):
+    """``--rounds 2``: both engines started twice, every row holds both rounds' runs, and the
+    cost is the median of the two rounds' costs, each against that round's base."""
+    import statistics
+    out = tmp_path / "lora.json"
+    assert main(["bench", "lora", "--model", tiny_llama_dir, "--dtype", "float32",
+                 "--concurrency", "2", "--input-len", "8", "--output-len", "4",
+                 "--lora-rank", "4", "--num-adapters", "2", "--adapters-in-batch", "2",
+                 "--rounds", "2", "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["rounds"] == 2 and [len(row["runs"]) for row in r["rows"]] == [2, 2]
+    base, lora = ([run["output_tokens_per_s"] for run in row["runs"]] for row in r["rows"])
+    costs = [1 - lora[k] / base[k] for k in range(2)]
+    cost = r["adapter_cost"]
+    assert cost["round_costs"] == pytest.approx(costs)
+    assert cost["cost"] == pytest.approx(statistics.median(costs))
+    assert "median of the rounds" in capsys.readouterr().out
 
 
 def _forms_script():
