@@ -183,9 +183,9 @@ def run(args) -> dict:
     runs: dict[str, list] = {label: [] for label in labels}
     paths = prompts = warmup = precision = None
     try:
-        for k in range(args.rounds):
+        for round_no in range(1, args.rounds + 1):
             if args.rounds > 1:
-                print(f"round {k + 1}/{args.rounds}", flush=True)
+                print(f"round {round_no}/{args.rounds}", flush=True)
             with Engine(**options) as base:
                 if paths is None:
                     facts = base.model_facts()
@@ -202,7 +202,8 @@ def run(args) -> dict:
                     del facts  # the module: not held past the base engine's shutdown
                 _measure(base, "base", prompts, warmup, args, None, runs["base"])
             names = sorted(paths)
-            lora_options = dict(options, lora_paths=[f"{k}={v}" for k, v in paths.items()],
+            lora_options = dict(options, lora_paths=[f"{name}={path}"
+                                                     for name, path in paths.items()],
                                 max_loras_per_batch=max(8, max(counts)))
             with Engine(**lora_options) as eng:
                 for count in counts:
