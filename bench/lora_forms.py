@@ -12,13 +12,14 @@ GEMM over the whole block-diagonal B (``MIN_PART_ROWS`` set past any run).
 
 The decode forms give the same tokens. The expand forms agree to the last bits only (a
 GEMM over the whole B sums three or two times as many terms, the extra ones zero, in
-another order), so long greedy runs of the default int8 model can part ways. This script
-times a workload
-(``--num-prompts`` random prompts of ``--input-len`` tokens, ``--output-len`` greedy tokens
-each, adapters round-robin) with each form in turn, alternating which goes first each
-round, in one process and one engine, so the host's drift falls on both alike. It reports
-each form's median TPOT and batch seconds, the rounds the first form was faster in (by
-TPOT, or by seconds when a request makes one token), and whether the tokens were equal.
+another order), so long greedy runs of the default int8 model can part ways.
+
+This script times a workload (``--num-prompts`` random prompts of ``--input-len`` tokens,
+``--output-len`` greedy tokens each, adapters round-robin) with each form in turn,
+alternating which goes first each round, in one process and one engine, so the host's
+drift falls on both alike. It reports each form's median TPOT and batch seconds, the
+rounds the first form was faster in (by TPOT, or by seconds when a request makes one
+token), and whether the tokens were equal.
 
     .venv/bin/python bench/lora_forms.py --rounds 6 --output-json forms.json
     .venv/bin/python bench/lora_forms.py --compare expand-parts --input-len 512 \
@@ -72,11 +73,9 @@ def _forms(compare: str, lora_kernels) -> dict:
     """Each form's name -> a function that puts it in place; the first form is the
     engine's own. The caller puts the engine's back with the first."""
     if compare == "expand-parts":
-        parts = lora_kernels.MIN_PART_ROWS
-
-        def rows(n):
-            return lambda: setattr(lora_kernels, "MIN_PART_ROWS", n)
-        return {"parts": rows(parts), "whole": rows(1 << 62)}
+        def threshold(rows):
+            return lambda: setattr(lora_kernels, "MIN_PART_ROWS", rows)
+        return {"parts": threshold(lora_kernels.MIN_PART_ROWS), "whole": threshold(1 << 62)}
     plan_of = lora_kernels.LoraSegments.__dict__["of"]  # the classmethod itself
     groups = functools.partial(lora_kernels.LoraSegments.of, runs=False)  # bound: no descriptor
     return {"runs": lambda: setattr(lora_kernels.LoraSegments, "of", plan_of),

@@ -143,15 +143,13 @@ def _row(label: str, count: int, lora_engine: bool, runs: list[dict]) -> dict:
             "output_tokens": runs[0]["output_tokens"], "runs": runs}
 
 
-def _round_costs(rows: list[dict], rounds: int, repeats: int) -> list[float]:
-    """The largest adapter count's cost in each round against that round's base: ``1 -``
-    the ratio of their median tok/s (the base and the LoRA engine measured back to back)."""
-    most = max(rows[1:], key=lambda row: row["adapters_in_batch"])
-
+def _round_costs(base: dict, most: dict, rounds: int, repeats: int) -> list[float]:
+    """Row ``most``'s cost in each round against that round's ``base``: ``1 -`` the ratio of
+    their median tok/s (the base and the LoRA engine measured back to back)."""
     def rate(row, k):
         return statistics.median(r["output_tokens_per_s"]
                                  for r in row["runs"][k * repeats:(k + 1) * repeats])
-    return [1 - rate(most, k) / rate(rows[0], k) for k in range(rounds)]
+    return [1 - rate(most, k) / rate(base, k) for k in range(rounds)]
 
 
 def _engine_options(args) -> dict:
@@ -179,8 +177,7 @@ def run(args) -> dict:
     n = args.num_prompts or args.concurrency
     options = _engine_options(args)
     scratch = tempfile.mkdtemp(prefix="radixray-bench-lora-")
-    labels = ["base"] + [f"lora_{c}" for c in counts]
-    runs: dict[str, list] = {label: [] for label in labels}
+    runs: dict[str, list] = {label: [] for label in ["base"] + [f"lora_{c}" for c in counts]}
     paths = prompts = warmup = precision = None
     try:
         for round_no in range(1, args.rounds + 1):
@@ -216,7 +213,7 @@ def run(args) -> dict:
     for row in rows:
         row["ratio_to_base"] = row["output_tokens_per_s"] / rows[0]["output_tokens_per_s"]
     most = max(rows[1:], key=lambda row: row["adapters_in_batch"])
-    costs = _round_costs(rows, args.rounds, args.repeats)
+    costs = _round_costs(rows[0], most, args.rounds, args.repeats)
     cost = statistics.median(costs)
     out = {"model": args.model, **precision, "engine_options": options,
            "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),

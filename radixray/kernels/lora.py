@@ -112,10 +112,17 @@ def lora_add(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
 def _add_rows(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
               scale: float) -> None:
     """``base += scale * (x @ a.T) @ b.T`` in place (``base`` may be a view of the batch)."""
-    if base.dtype == a.dtype:
-        base.addmm_(x @ a.T, b.T, alpha=scale)  # the add in the GEMM
+    _expand_into(base, x @ a.T, b.T, scale)
+
+
+def _expand_into(out: torch.Tensor, shrink: torch.Tensor, b_t: torch.Tensor,
+                 scale: float) -> None:
+    """``out += scale * shrink @ b_t`` in place, the add inside the GEMM when the dtypes
+    allow it."""
+    if out.dtype == b_t.dtype:
+        out.addmm_(shrink, b_t, alpha=scale)
     else:
-        base.add_((x @ a.T) @ b.T, alpha=scale)
+        out.add_(shrink @ b_t, alpha=scale)
 
 
 def _add_rows_by_part(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -128,11 +135,8 @@ def _add_rows_by_part(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: t
     start = 0
     for i, width in enumerate(parts):
         cols = slice(i * rank, (i + 1) * rank)
-        out, block = base[:, start:start + width], b[start:start + width, cols].T
-        if out.dtype == block.dtype:
-            out.addmm_(shrink[:, cols], block, alpha=scale)
-        else:
-            out.add_(shrink[:, cols] @ block, alpha=scale)
+        _expand_into(base[:, start:start + width], shrink[:, cols],
+                     b[start:start + width, cols].T, scale)
         start += width
 
 
