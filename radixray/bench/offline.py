@@ -2,7 +2,10 @@
 
 Decode at batch B: B requests with ``--context-len`` random prompt tokens
 decode ``--decode-steps`` tokens together (greedy, ignore_eos); the step time is
-the span from the last first token to the last finish, divided by the steps.
+the span from the last first token to the last finish, divided by the steps. The engine
+runs without mixed chunks (``enable_mixed_chunk`` off, whatever the flags say): with them,
+requests prefilled early would decode while later ones prefill, finish before the others,
+and leave the measured span to steps of fewer than B requests.
 Prefill: ``--prefill-prompts`` prompts of ``--prefill-len`` tokens, timed to
 their first tokens. Bandwidth and GEMM rate are measured in the same run.
 """
@@ -24,6 +27,9 @@ logger = logging.getLogger(__name__)
 
 
 def decode_step_seconds(engine, batch: int, ctx: int, steps: int, seed: int) -> float:
+    """Seconds per decode step of ``batch`` requests at ``ctx`` tokens of context; the engine
+    must run without mixed chunks (:func:`offline_engine_options`), so that all ``batch``
+    prefill before any decodes and each of the ``steps`` steps carries all of them."""
     prompts = random_token_prompts(batch, ctx, engine.limits.vocab_size, seed)
     params = {"temperature": 0.0, "max_new_tokens": steps + 1, "ignore_eos": True}
     outs = engine.generate(input_ids=prompts, sampling_params=params)
@@ -42,7 +48,9 @@ def prefill_tokens_per_second(engine, n: int, length: int, seed: int) -> float:
     return n * length / seconds
 
 
-COMPILED_REGION = "Torch-Compiled Region"  # torch.profiler's name for a torch.compile call
+# torch.profiler's names for a call into torch.compile'd code: the frame, or (torch >= 2.6) the
+# inductor graph it runs
+COMPILED_REGIONS = ("Torch-Compiled Region", "## Call CompiledFxGraph")
 
 
 def python_overhead(engine, batch: int, ctx: int, steps: int = 8) -> dict:
@@ -59,14 +67,23 @@ def python_overhead(engine, batch: int, ctx: int, steps: int = 8) -> dict:
     with engine.profiling(prof):  # on the scheduler thread, where the steps run
         engine.generate(input_ids=prompts, sampling_params=params)
     engine.flush_cache()
-    step_events = [e for e in prof.events() if e.name == "decode_step"]
-    wall = sum(e.cpu_time_total for e in step_events) / 1000 / len(step_events)
-    top = [c for e in step_events for c in e.cpu_children
-           if "::" in c.name or c.name.startswith(COMPILED_REGION)]
-    in_ops = sum(c.cpu_time_total for c in top) / 1000 / len(step_events)
+    return {"batch": batch, **step_breakdown(prof.events())}
+
+
+def step_breakdown(events, step_name: str = "decode_step") -> dict:
+    """Mean per ``step_name`` event of a torch.profiler trace: its wall time (``step_ms``), the
+    time inside its top-level ops and compiled regions (``aten_ms``), the rest (``other_ms``)
+    and the ops it ran (``ops_per_step``: a compiled region counts the ops it calls)."""
+    steps = [e for e in events if e.name == step_name]
+    if not steps:
+        raise ValueError(f"the trace has no {step_name!r} event")
+    wall = sum(e.cpu_time_total for e in steps) / 1000 / len(steps)
+    top = [c for e in steps for c in e.cpu_children
+           if "::" in c.name or c.name.startswith(COMPILED_REGIONS)]
+    in_ops = sum(c.cpu_time_total for c in top) / 1000 / len(steps)
     ops = [o for c in top for o in _outermost_ops(c)]
-    return {"batch": batch, "step_ms": wall, "aten_ms": in_ops, "other_ms": wall - in_ops,
-            "ops_per_step": len(ops) / len(step_events)}
+    return {"step_ms": wall, "aten_ms": in_ops, "other_ms": wall - in_ops,
+            "ops_per_step": len(ops) / len(steps)}
 
 
 def _outermost_ops(event) -> list:
@@ -77,6 +94,17 @@ def _outermost_ops(event) -> list:
     return [o for child in event.cpu_children for o in _outermost_ops(child)]
 
 
+def offline_engine_options(engine_options: dict, max_total_tokens: int, max_batch: int) -> dict:
+    """The engine this benchmark measures: ``engine_options`` with a pool of
+    ``max_total_tokens``, room for ``max_batch`` running requests, and mixed chunks off
+    (see the module docstring; logged when the flags had asked for them)."""
+    if engine_options.get("enable_mixed_chunk", True):
+        logger.info("bench offline: enable_mixed_chunk off, so that every measured decode "
+                    "step carries the whole batch")
+    return {**engine_options, "max_total_tokens": max_total_tokens, "enable_mixed_chunk": False,
+            "max_running_requests": max(max_batch, engine_options.get("max_running_requests") or 0)}
+
+
 def run_offline_bench(args, engine_options: dict) -> dict:
     """``engine_options``: the EngineConfig flags given; the pool and the running-request
     limit default to what the largest batch needs."""
@@ -85,8 +113,8 @@ def run_offline_bench(args, engine_options: dict) -> dict:
     max_batch = max(batch_sizes)
     pool = args.max_total_tokens or max(
         max_batch * (args.context_len + args.decode_steps + 2), args.prefill_prompts * (args.prefill_len + 2)) + 64
-    engine = Engine(**{**engine_options, "max_total_tokens": pool,
-                       "max_running_requests": max(max_batch, args.max_running_requests or 0)})
+    engine = Engine(**offline_engine_options(
+        {**engine_options, "max_running_requests": args.max_running_requests}, pool, max_batch))
     facts = engine.model_facts()
     cost = ModelCost.of(facts.module, facts.kv_bytes_per_token)
     dtype = facts.dtype
