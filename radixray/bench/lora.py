@@ -42,6 +42,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 
 from radixray.bench import (
     ENGINE_FLAGS,
@@ -152,6 +153,31 @@ def _round_costs(base: dict, most: dict, rounds: int, repeats: int) -> list[floa
     return [1 - rate(most, k) / rate(base, k) for k in range(rounds)]
 
 
+@dataclass(frozen=True)
+class _Workload:
+    """What every round runs: the timed and the warm-up prompts, the adapters written to
+    disk (name -> folder), and the precision the engines ran at (for the report)."""
+
+    prompts: list[list[int]]
+    warmup: list[list[int]]
+    paths: dict[str, str]
+    precision: dict
+
+    @classmethod
+    def of(cls, base, args, n: int, scratch: str) -> _Workload:
+        """Made once, from the first round's base engine; the adapters go under ``scratch``."""
+        facts = base.model_facts()
+        vocab = base.limits.vocab_size
+        paths = in_passing_thread(write_random_adapters, facts.module, scratch,  # no team
+                                  args.num_adapters, args.lora_rank, args.seed)  # stays
+        return cls(prompts=random_token_prompts(n, args.input_len, vocab, args.seed),
+                   warmup=random_token_prompts(n, args.input_len, vocab, args.seed + 1),
+                   paths=paths,
+                   precision={"precision": facts.precision, "quantization": facts.quantization,
+                              "kv_cache_dtype": facts.kv_cache_dtype,
+                              "quantize_lm_head": facts.quantize_lm_head})
+
+
 def _engine_options(args) -> dict:
     """The engine options both engines share: the flags given, the KV pool sized for the
     workload, ``--concurrency`` running at most."""
@@ -178,34 +204,22 @@ def run(args) -> dict:
     options = _engine_options(args)
     scratch = tempfile.mkdtemp(prefix="radixray-bench-lora-")
     runs: dict[str, list] = {label: [] for label in ["base"] + [f"lora_{c}" for c in counts]}
-    paths = prompts = warmup = precision = None
+    work = None
     try:
         for round_no in range(1, args.rounds + 1):
             if args.rounds > 1:
                 print(f"round {round_no}/{args.rounds}", flush=True)
             with Engine(**options) as base:
-                if paths is None:
-                    facts = base.model_facts()
-                    precision = {"precision": facts.precision,
-                                 "quantization": facts.quantization,
-                                 "kv_cache_dtype": facts.kv_cache_dtype,
-                                 "quantize_lm_head": facts.quantize_lm_head}
-                    vocab = base.limits.vocab_size
-                    prompts = random_token_prompts(n, args.input_len, vocab, args.seed)
-                    warmup = random_token_prompts(n, args.input_len, vocab, args.seed + 1)
-                    paths = in_passing_thread(write_random_adapters, facts.module, scratch,
-                                              args.num_adapters, args.lora_rank,
-                                              args.seed)  # no team stays
-                    del facts  # the module: not held past the base engine's shutdown
-                _measure(base, "base", prompts, warmup, args, None, runs["base"])
-            names = sorted(paths)
+                work = work or _Workload.of(base, args, n, scratch)
+                _measure(base, "base", work.prompts, work.warmup, args, None, runs["base"])
             lora_options = dict(options, lora_paths=[f"{name}={path}"
-                                                     for name, path in paths.items()],
+                                                     for name, path in work.paths.items()],
                                 max_loras_per_batch=max(8, max(counts)))
             with Engine(**lora_options) as eng:
                 for count in counts:
-                    _measure(eng, f"lora_{count}", prompts, warmup, args,
-                             _batch_adapters(names, count, n), runs[f"lora_{count}"])
+                    _measure(eng, f"lora_{count}", work.prompts, work.warmup, args,
+                             _batch_adapters(sorted(work.paths), count, n),
+                             runs[f"lora_{count}"])
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     rows = [_row("base", 0, False, runs["base"])]
@@ -215,7 +229,7 @@ def run(args) -> dict:
     most = max(rows[1:], key=lambda row: row["adapters_in_batch"])
     costs = _round_costs(rows[0], most, args.rounds, args.repeats)
     cost = statistics.median(costs)
-    out = {"model": args.model, **precision, "engine_options": options,
+    out = {"model": args.model, **work.precision, "engine_options": options,
            "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
            "concurrency": args.concurrency, "num_prompts": n, "input_len": args.input_len,
            "output_len": args.output_len, "repeats": args.repeats, "rounds": args.rounds,

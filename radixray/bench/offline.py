@@ -96,8 +96,9 @@ def _outermost_ops(event) -> list:
 
 def offline_engine_options(engine_options: dict, max_total_tokens: int, max_batch: int) -> dict:
     """The engine this benchmark measures: ``engine_options`` with a pool of
-    ``max_total_tokens``, room for ``max_batch`` running requests, and mixed chunks off
-    (see the module docstring; logged when the flags had asked for them)."""
+    ``max_total_tokens``, room for ``max_batch`` running requests (or the flags' larger
+    limit), and mixed chunks off (see the module docstring; logged unless the flags had
+    turned them off already)."""
     if engine_options.get("enable_mixed_chunk", True):
         logger.info("bench offline: enable_mixed_chunk off, so that every measured decode "
                     "step carries the whole batch")
@@ -113,8 +114,7 @@ def run_offline_bench(args, engine_options: dict) -> dict:
     max_batch = max(batch_sizes)
     pool = args.max_total_tokens or max(
         max_batch * (args.context_len + args.decode_steps + 2), args.prefill_prompts * (args.prefill_len + 2)) + 64
-    engine = Engine(**offline_engine_options(
-        {**engine_options, "max_running_requests": args.max_running_requests}, pool, max_batch))
+    engine = Engine(**offline_engine_options(engine_options, pool, max_batch))
     facts = engine.model_facts()
     cost = ModelCost.of(facts.module, facts.kv_bytes_per_token)
     dtype = facts.dtype
