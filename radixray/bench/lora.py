@@ -168,8 +168,9 @@ class _Workload:
         """Made once, from the first round's base engine; the adapters go under ``scratch``."""
         facts = base.model_facts()
         vocab = base.limits.vocab_size
-        paths = in_passing_thread(write_random_adapters, facts.module, scratch,  # no team
-                                  args.num_adapters, args.lora_rank, args.seed)  # stays
+        # on a thread that ends with it, so no OpenMP team stays behind (passing_thread.py)
+        paths = in_passing_thread(write_random_adapters, facts.module, scratch,
+                                  args.num_adapters, args.lora_rank, args.seed)
         return cls(prompts=random_token_prompts(n, args.input_len, vocab, args.seed),
                    warmup=random_token_prompts(n, args.input_len, vocab, args.seed + 1),
                    paths=paths,
