@@ -7,6 +7,7 @@ model here is sized with weights of ~120 MiB and KV buffers of ~50 MiB per layer
 its greedy output must not change across a release and resume.
 """
 
+import contextlib
 import itertools
 import os
 import time
@@ -18,13 +19,37 @@ from engine_helpers import GREEDY, in_thread, wait_until
 from radixray import Engine
 
 PARAMS = {"max_new_tokens": 16, **GREEDY}
-PAGE = os.sysconf("SC_PAGE_SIZE")
 BIG_TOKENS = 50_000  # x 4096 bytes per token: 195 MiB of KV, 51 MiB per buffer
 
 
+def resident() -> dict[str, int]:
+    """The process's resident memory by kind (``RssAnon``, ``RssFile``, ``RssShmem``), in bytes."""
+    with open("/proc/self/status") as f:
+        return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
+                if k in ("RssAnon", "RssFile", "RssShmem")}
+
+
 def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
+    """The process's resident anonymous memory, in bytes: what the tensors' storages are.
+    File and shared pages are left out: mapped libraries, model files and Ray's object store
+    (mapped by earlier tests that ran Ray in this process) come and go with the page cache
+    and with their owners, not with a release."""
+    return resident()["RssAnon"]
+
+
+@contextlib.contextmanager
+def paused(engine: Engine, mode: str):
+    """Generation paused for the block; whatever the block left released is resumed and
+    generation continues afterwards, also when it fails, so a module-scoped engine serves
+    the next test (a paused engine would leave its generate calls waiting for good)."""
+    engine.pause_generation(mode)
+    try:
+        yield
+    finally:
+        if engine.memory.released:
+            engine.resume_memory_occupation(None)
+        if engine.call_in_loop(lambda s: s.paused) is not None:
+            engine.continue_generation()
 
 
 def weight_bytes(engine: Engine) -> int:
@@ -115,27 +140,26 @@ def test_release_frees_the_memory_and_resume_restores_it_with_the_same_output(bi
     names = tags or ["kv_cache", "weights", "cuda_graph"]
     want_bytes = sum(expected[t] for t in names)
     want = greedy(big, "release me")
-    big.pause_generation("retract")
+    with paused(big, "retract"):
+        before = rss()
+        out = big.release_memory_occupation(tags)
+        freed = before - rss()
+        assert out["tags"] == names and out["released"] == sorted(names)
+        assert out["bytes"] == want_bytes
+        assert freed >= 0.8 * want_bytes, f"RSS fell {freed / 2**20:.1f} MiB of {want_bytes / 2**20:.1f} (now {resident()})"
+        kv = big.check_kv_conservation()
+        if "kv_cache" in names:  # flushed: every slot free, nothing cached
+            assert kv["free"] == kv["pool"] and kv["cached"] == 0
 
-    before = rss()
-    out = big.release_memory_occupation(tags)
-    freed = before - rss()
-    assert out["tags"] == names and out["released"] == sorted(names)
-    assert out["bytes"] == want_bytes
-    assert freed >= 0.8 * want_bytes, f"RSS fell {freed / 2**20:.1f} MiB of {want_bytes / 2**20:.1f}"
-    kv = big.check_kv_conservation()
-    if "kv_cache" in names:  # flushed: every slot free, nothing cached
-        assert kv["free"] == kv["pool"] and kv["cached"] == 0
+        low = rss()
+        back = big.resume_memory_occupation(tags)
+        restored = rss() - low
+        assert back["tags"] == names and back["released"] == [] and back["bytes"] == want_bytes
+        assert restored >= 0.8 * want_bytes, f"RSS rose {restored / 2**20:.1f} MiB of {want_bytes / 2**20:.1f} (now {resident()})"
+        print(f"\n{names}: {want_bytes / 2**20:.0f} MiB, RSS -{freed / 2**20:.0f} / +{restored / 2**20:.0f} MiB, "
+              f"release {out['seconds']:.3f} s, resume {back['seconds']:.3f} s")
 
-    low = rss()
-    back = big.resume_memory_occupation(tags)
-    restored = rss() - low
-    assert back["tags"] == names and back["released"] == [] and back["bytes"] == want_bytes
-    assert restored >= 0.8 * want_bytes, f"RSS rose {restored / 2**20:.1f} MiB of {want_bytes / 2**20:.1f}"
-    print(f"\n{names}: {want_bytes / 2**20:.0f} MiB, RSS -{freed / 2**20:.0f} / +{restored / 2**20:.0f} MiB, "
-          f"release {out['seconds']:.3f} s, resume {back['seconds']:.3f} s")
-
-    assert big.continue_generation() is True
+        assert big.continue_generation() is True
     assert greedy(big, "release me") == want
     big.check_kv_conservation()
 
