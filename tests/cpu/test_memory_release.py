@@ -8,6 +8,7 @@ its greedy output must not change across a release and resume.
 """
 
 import contextlib
+import gc
 import itertools
 import os
 import time
@@ -35,6 +36,19 @@ def rss() -> int:
     (mapped by earlier tests that ran Ray in this process) come and go with the page cache
     and with their owners, not with a release."""
     return resident()["RssAnon"]
+
+
+@contextlib.contextmanager
+def no_gc():
+    """Python's cyclic garbage collected first and kept from running inside the block: an
+    earlier test's objects freed mid-measurement (an engine in a reference cycle, its pool
+    and weights) would move the resident set by their size."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 @contextlib.contextmanager
@@ -141,9 +155,10 @@ def test_release_frees_the_memory_and_resume_restores_it_with_the_same_output(bi
     want_bytes = sum(expected[t] for t in names)
     want = greedy(big, "release me")
     with paused(big, "retract"):
-        before = rss()
-        out = big.release_memory_occupation(tags)
-        freed = before - rss()
+        with no_gc():
+            before = rss()
+            out = big.release_memory_occupation(tags)
+            freed = before - rss()
         assert out["tags"] == names and out["released"] == sorted(names)
         assert out["bytes"] == want_bytes
         assert freed >= 0.8 * want_bytes, f"RSS fell {freed / 2**20:.1f} MiB of {want_bytes / 2**20:.1f} (now {resident()})"
@@ -151,9 +166,10 @@ def test_release_frees_the_memory_and_resume_restores_it_with_the_same_output(bi
         if "kv_cache" in names:  # flushed: every slot free, nothing cached
             assert kv["free"] == kv["pool"] and kv["cached"] == 0
 
-        low = rss()
-        back = big.resume_memory_occupation(tags)
-        restored = rss() - low
+        with no_gc():
+            low = rss()
+            back = big.resume_memory_occupation(tags)
+            restored = rss() - low
         assert back["tags"] == names and back["released"] == [] and back["bytes"] == want_bytes
         assert restored >= 0.8 * want_bytes, f"RSS rose {restored / 2**20:.1f} MiB of {want_bytes / 2**20:.1f} (now {resident()})"
         print(f"\n{names}: {want_bytes / 2**20:.0f} MiB, RSS -{freed / 2**20:.0f} / +{restored / 2**20:.0f} MiB, "
@@ -254,11 +270,12 @@ def test_default_model_release_and_resume():
         want_bytes = weight_bytes(engine) + kv_bytes(engine)
         want = greedy(engine, "The capital of France is")
         engine.pause_generation("abort")
-        before = rss()
-        out = engine.release_memory_occupation()
-        low = rss()
-        back = engine.resume_memory_occupation()
-        high = rss()
+        with no_gc():
+            before = rss()
+            out = engine.release_memory_occupation()
+            low = rss()
+            back = engine.resume_memory_occupation()
+            high = rss()
         assert out["bytes"] == back["bytes"] == want_bytes
         assert before - low >= 0.8 * want_bytes and high - low >= 0.8 * want_bytes
         print(f"\nSmolLM2-135M: load {load_s:.1f} s, {want_bytes / 2**20:.0f} MiB, RSS "
