@@ -13,7 +13,10 @@ on PATH) with ``--llama-gguf``. Both are asked through ``/v1/completions`` (or
 ``/v1/chat/completions`` with ``--api chat``) with the same texts; a few probe
 prompts check that both servers count them as the same number of tokens. Without
 ``--sweep`` the sweep is the issue's: random prompts of 512 tokens, 128 out,
-concurrency 1, 8, 32 with 6, 16, 32 prompts.
+concurrency 1, 8, 32 with 6, 16, 32 prompts. ``--rounds N`` runs the pair N times,
+each round with prompts of its own seed and the other server first, and reports
+each figure's median and each ratio's median over the rounds (a noisy host moves one
+pair by more than the gap being measured).
 
 Example (the issue's sweep; docs/benchmarks.md, "radixray vs llama-server")::
 
@@ -32,7 +35,14 @@ import shutil
 import sys
 
 from radixray.bench import datasets, json_safe, launch
-from radixray.bench.compare_report import comparison, git_commit, host_info, markdown_report
+from radixray.bench.compare_report import (
+    comparison,
+    git_commit,
+    host_info,
+    markdown_report,
+    median_summaries,
+    rounds_comparison,
+)
 from radixray.bench.serve_client import add_workload_args, run_sweep, sweep_points
 from radixray.bench.stream_client import (
     ENDPOINTS,
@@ -48,6 +58,7 @@ DEFAULT_SWEEP, DEFAULT_SWEEP_PROMPTS = (1, 8, 32), (6, 16, 32)
 PROBE_PROMPTS = 3
 PROBE_SEED_OFFSET = 10_000  # probe prompts are not among the measured ones (a prefix cache)
 PROMPT_TOKENS_TOLERANCE = 0.02
+ROUND_SEED_STEP = 1_000  # round r's prompts come from seed + r * this: no prefix-cache hits
 DOCS = ("docs/benchmarks.md, \"radixray vs llama-server\", says how to build llama-server "
         "and make the F16 GGUF.")
 HOW_TO_GET_LLAMA = (
@@ -80,6 +91,8 @@ def apply_sweep_defaults(args: argparse.Namespace) -> None:
     elif args.dataset == "random" and args.sweep_num_prompts is None and args.num_prompts is None:
         raise UsageError("--sweep: give the prompts of each point too, --sweep-num-prompts "
                          "N1,N2,... (one per --sweep value) or --num-prompts N")
+    if getattr(args, "rounds", 1) < 1:
+        raise UsageError(f"--rounds: {args.rounds} is below 1; give 1 or more rounds")
 
 
 def plan_llama(args: argparse.Namespace) -> dict:
@@ -143,8 +156,11 @@ def describe_workload(args: argparse.Namespace) -> str:
     if data == "random":
         data += (f" {args.random_input_len} in / {args.random_output_len} out "
                  f"(range ratio {args.random_range_ratio:g})")
+    rounds = getattr(args, "rounds", 1)
+    seed = f"seed {args.seed}" + (f" (+{ROUND_SEED_STEP:,} each round, {rounds} rounds)"
+                                  if rounds > 1 else "")
     return (f"{data}; {ENDPOINTS[args.api]}; sweep {sweep} "
-            f"(concurrency x prompts); seed {args.seed}; {args.warmup} warm-up request(s) per point")
+            f"(concurrency x prompts); {seed}; {args.warmup} warm-up request(s) per point")
 
 
 def probe_texts(args: argparse.Namespace, tokenizer) -> list:
@@ -226,6 +242,30 @@ def run_side(label: str, plan: dict, args: argparse.Namespace, tokenizer,
                 "probe_prompt_tokens": counts, "summaries": summaries}
 
 
+def run_rounds(plans: dict, args: argparse.Namespace, tokenizer, probes: list) -> list[dict]:
+    """``--rounds`` rounds of both sides, one server after the other. Round r (from 0) uses
+    the prompts of seed ``args.seed + r * ROUND_SEED_STEP`` for both servers and starts
+    with the first server on even rounds, the second on odd ones. Returns per round
+    ``{"seed", "order", "servers": {label: run_side(...)}}`` (labels in ``plans`` order)."""
+    rounds = []
+    labels = list(plans)
+    for r in range(args.rounds):
+        seed = args.seed + r * ROUND_SEED_STEP
+        order = labels if r % 2 == 0 else labels[::-1]
+        round_args = argparse.Namespace(**{**vars(args), "seed": seed})
+        ran = {label: run_side(label, plans[label], round_args, tokenizer, probes)
+               for label in order}
+        rounds.append({"seed": seed, "order": order, "servers": {k: ran[k] for k in labels}})
+        if args.rounds > 1:
+            comp = comparison({k: ran[k]["summaries"] for k in labels})
+            last = comp["concurrencies"][-1]
+            figs = " vs ".join(f"{k} {comp['servers'][k][last]['output_tok_s'] or 0:.1f}"
+                               for k in labels)
+            print(f"round {r + 1} of {args.rounds} (seed {seed}, {order[0]} first): c={last} "
+                  f"{figs} tok/s", flush=True)
+    return rounds
+
+
 def run_compare(args: argparse.Namespace) -> int:
     """Both sweeps, then the table; 0 when both ran, 1 when a server did not answer or start,
     2 on bad flags (nothing started)."""
@@ -241,20 +281,28 @@ def run_compare(args: argparse.Namespace) -> int:
     probes = probe_texts(args, tokenizer)
     client_counts = [datasets.count_tokens(tokenizer, p if isinstance(p, str) else
                                            "".join(m["content"] for m in p)) for p in probes]
-    servers = {}
     try:
-        for label, plan in plans.items():  # one after the other, never side by side
-            servers[label] = run_side(label, plan, args, tokenizer, probes)
+        rounds = run_rounds(plans, args, tokenizer, probes)
     except (ServerUnreachable, launch.ServerFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    servers = rounds[0]["servers"]
+    if len(rounds) == 1:
+        comp = comparison({k: v["summaries"] for k, v in servers.items()})
+    else:
+        comp = rounds_comparison([{k: v["summaries"] for k, v in r["servers"].items()}
+                                  for r in rounds])
+        # every round's requests count in the failed totals and the plot shows the medians
+        servers = {k: {**v, "summaries": [s for r in rounds for s in r["servers"][k]["summaries"]]}
+                   for k, v in servers.items()}
     argv = getattr(args, "argv", None) or ["bench", "compare"]
     report = {
         "command": "radixray " + shlex.join(argv),
         "commit": git_commit(),
         "host": host_info(),
         "workload": describe_workload(args),
-        "comparison": comparison({k: v["summaries"] for k, v in servers.items()}),
+        "comparison": comp,
+        "rounds": [{"seed": r["seed"], "order": r["order"]} for r in rounds],
         "prompt_check": {"client": client_counts,
                          "servers": {k: v["probe_prompt_tokens"] for k, v in servers.items()},
                          "agree": prompt_tokens_agree([v["probe_prompt_tokens"]
@@ -268,7 +316,11 @@ def run_compare(args: argparse.Namespace) -> int:
     with open(paths["json"], "w") as f:
         json.dump(json_safe(report), f, indent=2)
     from radixray.bench.sweep_plot import plot_sweep
-    plot_sweep([s for v in servers.values() for s in v["summaries"]], paths["png"])
+    if len(rounds) == 1:
+        plot_sweep([s for v in servers.values() for s in v["summaries"]], paths["png"])
+    else:
+        plot_sweep([s for label in servers for s in median_summaries(
+            [r["servers"][label]["summaries"] for r in rounds])], paths["png"])
     print("\n" + text, flush=True)
     print(f"written: {paths['md']}, {paths['json']}, {paths['png']}", flush=True)
     if not report["prompt_check"]["agree"]:
@@ -304,6 +356,9 @@ def add_parser(bench_subparsers) -> argparse.ArgumentParser:
     g.add_argument("--llama-args", default="", help="extra llama-server flags, one quoted string")
     add_workload_args(p)
     p.set_defaults(random_input_len=512, random_output_len=128, random_range_ratio=1.0)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the pair this many times, the other server first each round and "
+                        "new prompts each round; the table gives medians (default 1)")
     p.add_argument("--startup-timeout", type=float, default=1800.0,
                    help="seconds a started server may take to answer (radixray's first start "
                         "converts the GGUF)")

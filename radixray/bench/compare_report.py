@@ -2,13 +2,16 @@
 
 Pure functions over :func:`serve_metrics.summarize` dicts (one per sweep point and
 server), except :func:`host_info` and :func:`git_commit`, which read this machine.
-Ratios are always ``first server / second server`` (radixray / llama-server).
+Ratios are always ``first server / second server`` (radixray / llama-server). With
+several rounds (``--rounds``) the table holds each figure's median over the rounds and
+each ratio's median over the rounds' own ratios (:func:`rounds_comparison`).
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import statistics
 import subprocess
 
 # The instruction sets the CPU kernels of either server pick between.
@@ -100,6 +103,64 @@ def comparison(results: dict[str, list[dict]]) -> dict:
     return out
 
 
+def _median(values: list) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def median_summaries(rounds: list[list[dict]]) -> list[dict]:
+    """One server's sweep over several rounds -> one sweep of medians.
+
+    ``rounds`` holds each round's summaries in sweep order (the same points every
+    round). Every numeric field becomes its median over the rounds that have it,
+    ``failed`` the sum; the label and concurrency are the first round's.
+    """
+    out = []
+    for points in zip(*rounds):
+        merged = dict(points[0])
+        for key, value in points[0].items():
+            if key == "failed":
+                merged[key] = sum(p.get(key) or 0 for p in points)
+            elif key != "max_concurrency" and isinstance(value, (int, float)) \
+                    and not isinstance(value, bool):
+                merged[key] = _median([p.get(key) for p in points])
+        merged["rounds"] = len(points)
+        out.append(merged)
+    return out
+
+
+def rounds_comparison(rounds: list[dict[str, list[dict]]]) -> dict:
+    """:func:`comparison` over several rounds, each ``{label: summaries}`` measured side by
+    side: each server's figures are medians over the rounds, each ratio the median of the
+    rounds' own ratios (a pair measured minutes apart shares the host's phase), and
+    ``"per_round"`` keeps every round's comparison."""
+    per_round = [comparison(r) for r in rounds]
+    labels = list(rounds[0])
+    out = comparison({label: median_summaries([r[label] for r in rounds]) for label in labels})
+    if out["ratios"]:
+        out["ratios"] = {c: {k: _median([p["ratios"].get(c, {}).get(k) for p in per_round])
+                             for k, _, _ in METRICS} for c in out["concurrencies"]}
+    out["per_round"] = per_round
+    return out
+
+
+def rounds_rows(comp: dict, seeds: list[int], orders: list[list[str]]) -> list[list[str]]:
+    """The per-round table: round, seed, which server ran first, then per concurrency
+    both servers' output tok/s and their ratio."""
+    labels = list(comp["servers"])
+    header = ["round", "seed", "first"] + [f"c={c} tok/s ({' / '.join(labels)})"
+                                           for c in comp["concurrencies"]]
+    rows = [header]
+    for n, (rc, seed, order) in enumerate(zip(comp["per_round"], seeds, orders), start=1):
+        cells = [str(n), str(seed), order[0]]
+        for c in comp["concurrencies"]:
+            figs = [_num(rc["servers"][label].get(c, {}).get("output_tok_s"), 1) for label in labels]
+            ratio = rc["ratios"].get(c, {}).get("output_tok_s") if rc["ratios"] else None
+            cells.append(" / ".join(figs) + (f" = {_times(ratio)}" if rc["ratios"] else ""))
+        rows.append(cells)
+    return rows
+
+
 def _num(value: float | None, digits: int) -> str:
     return "n/a" if value is None else f"{value:,.{digits}f}"
 
@@ -171,9 +232,17 @@ def markdown_report(report: dict) -> str:
     host, rev = report["host"], report["commit"]
     commit = "unknown (not a git checkout)" if rev.get("commit") is None else \
         rev["commit"] + (" with uncommitted changes" if rev.get("dirty") else "")
-    lines = [f"# {' vs '.join(labels)}", "", markdown_table(table_rows(report["comparison"])), ""]
+    comp = report["comparison"]
+    lines = [f"# {' vs '.join(labels)}", "", markdown_table(table_rows(comp)), ""]
     if len(labels) == 2:
         lines += [RATIO_NOTE.format(a=labels[0], b=labels[1]) + ".", ""]
+    if comp.get("per_round"):
+        rounds = report["rounds"]
+        lines += [f"Medians of {len(rounds)} rounds, each ratio the median of the rounds' own "
+                  "ratios; the servers ran one after the other in every round, the first "
+                  "one swapped each round:", "",
+                  markdown_table(rounds_rows(comp, [r["seed"] for r in rounds],
+                                             [r["order"] for r in rounds])), ""]
     lines += [f"- host: {host['cpu_model'] or 'unknown CPU'}, {host['cpu_count']} CPUs; "
               f"flags: {_flags(host['flags'])}",
               f"- commit: {commit}",

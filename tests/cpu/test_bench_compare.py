@@ -58,6 +58,27 @@ def test_one_point_and_missing_values():
     assert rows[3] == ["a / b", "n/a (n/a; 2.00x)", "n/a"]  # nothing divides by 0 tok/s
 
 
+def test_rounds_give_medians_and_the_median_of_each_rounds_ratio():
+    def one_round(a_tok, b_tok, a_ttft):
+        return {"a": [summary("a", 32, a_tok, 10.0, a_ttft, 400.0)],
+                "b": [summary("b", 32, b_tok, 20.0, 9000.0, 4000.0, failed=1)]}
+    # The host's phase moves both servers of a round together: a slow round is slow for both.
+    rounds = [one_round(300.0, 100.0, 5000.0), one_round(200.0, 80.0, 7000.0),
+              one_round(250.0, 50.0, 6000.0)]
+    comp = compare_report.rounds_comparison(rounds)
+    assert comp["servers"]["a"]["32"]["output_tok_s"] == 250.0  # median of 300, 200, 250
+    assert comp["servers"]["b"]["32"]["output_tok_s"] == 80.0
+    assert comp["servers"]["a"]["32"]["median_ttft_s"] == 6.0
+    # median of the rounds' ratios (3.0, 2.5, 5.0), not 250 / 80
+    assert comp["ratios"]["32"]["output_tok_s"] == 3.0
+    assert [r["ratios"]["32"]["output_tok_s"] for r in comp["per_round"]] == [3.0, 2.5, 5.0]
+    merged = compare_report.median_summaries([r["b"] for r in rounds])
+    assert merged[0]["failed"] == 3 and merged[0]["rounds"] == 3 and merged[0]["label"] == "b"
+    rows = compare_report.rounds_rows(comp, [1, 1001, 2001], [["a", "b"], ["b", "a"], ["a", "b"]])
+    assert rows[0] == ["round", "seed", "first", "c=32 tok/s (a / b)"]
+    assert rows[2] == ["2", "1001", "b", "200.0 / 80.0 = 2.50x"]
+
+
 def test_cpuinfo_flags():
     text = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n"
             "flags\t\t: fpu sse avx2 fma avx512f avx512_vnni amx_tile amx_int8\n\n"
@@ -107,6 +128,8 @@ def parse(*argv):
     (("--llama-server-url", "http://127.0.0.1:9", "--sweep", "1,4"), ["--sweep-num-prompts"]),
     (("--llama-server-url", "http://127.0.0.1:9", "--sweep", "1,4", "--sweep-num-prompts", "2"),
      ["one count per --sweep value"]),
+    (("--llama-server-url", "http://127.0.0.1:9", "--rounds", "0"),
+     ["--rounds: 0 is below 1"]),
 ])
 def test_flag_errors_name_the_flags_and_start_nothing(argv, needles, tmp_path, monkeypatch,
                                                       capsys):
@@ -174,6 +197,31 @@ def test_compare_two_running_servers(naive_url, tiny_llama_dir, tmp_path, capsys
     assert report["prompt_check"]["agree"]  # one server, counted twice
     assert report["servers"]["radixray"]["command"] is None  # nothing was started
     assert "random 12 in / 4 out" in report["workload"]
+
+
+def test_two_rounds_swap_the_order_and_draw_new_prompts(naive_url, tiny_llama_dir, tmp_path,
+                                                       capsys):
+    out_dir = tmp_path / "out"
+    args = parse("--radixray-url", naive_url, "--llama-server-url", naive_url, "--rounds", "2",
+                 "--seed", "7", "--tokenizer", tiny_llama_dir, "--output-dir", str(out_dir),
+                 *SHORT_SWEEP)
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    report = json.loads((out_dir / "compare.json").read_text())
+    assert report["rounds"] == [{"seed": 7, "order": ["radixray", "llama-server"]},
+                                {"seed": 1007, "order": ["llama-server", "radixray"]}]
+    assert "round 1 of 2 (seed 7, radixray first): c=2 radixray" in out
+    assert "round 2 of 2 (seed 1007, llama-server first)" in out
+    for label in ("radixray", "llama-server"):  # both rounds' requests, every one served
+        runs = report["servers"][label]["summaries"]
+        assert [(s["max_concurrency"], s["completed"], s["failed"]) for s in runs] == \
+            [(1, 2, 0), (2, 3, 0)] * 2
+    per_round = report["comparison"]["per_round"]
+    assert len(per_round) == 2 and set(report["comparison"]["ratios"]) == {"1", "2"}
+    md = (out_dir / "compare.md").read_text()
+    assert "Medians of 2 rounds" in md and "| round | seed | first |" in md
+    assert "| 2 | 1007 | llama-server |" in md
+    assert (out_dir / "compare.png").read_bytes()[:4] == b"\x89PNG"
 
 
 FAKE_LLAMA_SERVER = """#!{python}
