@@ -286,15 +286,11 @@ def run_compare(args: argparse.Namespace) -> int:
     except (ServerUnreachable, launch.ServerFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    servers = rounds[0]["servers"]
-    if len(rounds) == 1:
-        comp = comparison({k: v["summaries"] for k, v in servers.items()})
-    else:
-        comp = rounds_comparison([{k: v["summaries"] for k, v in r["servers"].items()}
-                                  for r in rounds])
-        # every round's requests count in the failed totals and the plot shows the medians
-        servers = {k: {**v, "summaries": [s for r in rounds for s in r["servers"][k]["summaries"]]}
-                   for k, v in servers.items()}
+    sweeps = [{k: v["summaries"] for k, v in r["servers"].items()} for r in rounds]
+    comp = rounds_comparison(sweeps)  # one round: its own figures and ratios
+    # every round's requests count in the failed totals
+    servers = {k: {**v, "summaries": [s for sweep in sweeps for s in sweep[k]]}
+               for k, v in rounds[0]["servers"].items()}
     argv = getattr(args, "argv", None) or ["bench", "compare"]
     report = {
         "command": "radixray " + shlex.join(argv),
@@ -316,11 +312,8 @@ def run_compare(args: argparse.Namespace) -> int:
     with open(paths["json"], "w") as f:
         json.dump(json_safe(report), f, indent=2)
     from radixray.bench.sweep_plot import plot_sweep
-    if len(rounds) == 1:
-        plot_sweep([s for v in servers.values() for s in v["summaries"]], paths["png"])
-    else:
-        plot_sweep([s for label in servers for s in median_summaries(
-            [r["servers"][label]["summaries"] for r in rounds])], paths["png"])
+    plot_sweep([s for label in servers for s in median_summaries([sw[label] for sw in sweeps])],
+               paths["png"])
     print("\n" + text, flush=True)
     print(f"written: {paths['md']}, {paths['json']}, {paths['png']}", flush=True)
     if not report["prompt_check"]["agree"]:

@@ -236,7 +236,7 @@ def markdown_report(report: dict) -> str:
     lines = [f"# {' vs '.join(labels)}", "", markdown_table(table_rows(comp)), ""]
     if len(labels) == 2:
         lines += [RATIO_NOTE.format(a=labels[0], b=labels[1]) + ".", ""]
-    if comp.get("per_round"):
+    if len(comp.get("per_round", [])) > 1:
         rounds = report["rounds"]
         lines += [f"Medians of {len(rounds)} rounds, each ratio the median of the rounds' own "
                   "ratios; the servers ran one after the other in every round, the first "
