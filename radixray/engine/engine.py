@@ -11,6 +11,7 @@ from concurrent.futures import Future
 
 import torch
 
+from radixray.engine.allocator import keep_freed_memory
 from radixray.engine.compute_thread import start_compute_thread
 from radixray.engine.config import EngineConfig
 from radixray.engine.control import (
@@ -71,6 +72,7 @@ class Engine(PDVerbs):
         its group rendezvous (TP: as rank 0; None starts local follower processes)."""
         self.config = EngineConfig.from_kwargs(model=model, **options)
         self.worker_id = worker_id
+        keep_freed_memory()  # before the first pass allocates (engine/allocator.py)
         # built and run on one thread (engine/compute_thread.py)
         self._thread = start_compute_thread(
             lambda: self._build(kv_transport, ep_rank, ep_init_method, tp_init_method),

@@ -88,21 +88,44 @@ def adapter_spans(row_slots: torch.Tensor) -> list[tuple[int, int, int]]:
             if slot >= 0]
 
 
+@dataclass
+class Int8Shrink:
+    """An int8 engine's shrink operands (its base projections are w8a8 int8): the batch's
+    activation codes ``x_q`` ``[T, in]`` int8 and per-row scales ``x_scale`` ``[T]``, as the
+    base projection quantized them, and the slots' A as per-row codes ``a_q``
+    ``[slots, width, in]`` int8 with scales ``a_scale`` ``[slots, width]`` (LoraSlots keeps
+    them beside A). A run's shrink is then one int8 GEMM on the codes, rescaled: ``x @ A.T``
+    to the two quantizations' rounding, at the int8 rate (3.5-4.5x fp32's at a 512-row run
+    on an AVX-512 VNNI EPYC; docs/benchmarks.md)."""
+
+    x_q: torch.Tensor
+    x_scale: torch.Tensor
+    a_q: torch.Tensor
+    a_scale: torch.Tensor
+
+    def shrink(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """Rows ``start:end``'s shrink by slot ``slot``'s A: fp32 ``[end - start, width]``."""
+        acc = torch._int_mm(self.x_q[start:end], self.a_q[slot].t())
+        return acc.float().mul_(self.x_scale[start:end, None]).mul_(self.a_scale[slot])
+
+
 def lora_add(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              scalings: torch.Tensor, rows: LoraRows,
-             parts: tuple[int, ...] | None = None) -> torch.Tensor:
+             parts: tuple[int, ...] | None = None, int8: Int8Shrink | None = None) -> torch.Tensor:
     """``base`` ``[T, out]`` plus each row's adapter update of ``x`` ``[T, in]`` (see the module
     docstring); ``a`` ``[slots, r, in]``, ``b`` ``[slots, out, r]``, ``scalings`` ``[slots]``
     (a CPU float tensor). ``parts``: the output widths of a fused target whose ``b`` is
     block-diagonal (``len(parts)`` blocks of ``r / len(parts)`` columns, as LoraSlots stacks
-    q|k|v and gate|up); a long run then skips the zero blocks. Adds into ``base`` in place
-    and returns it."""
+    q|k|v and gate|up); a long run then skips the zero blocks. ``int8``: the runs' shrinks
+    as int8 GEMMs (:class:`Int8Shrink`; the grouped rows keep fp32). Adds into ``base`` in
+    place and returns it."""
     for slot, start, end in rows.runs:
+        shrink = (int8.shrink(slot, start, end) if int8 is not None
+                  else x[start:end] @ a[slot].T)
         if parts is not None and len(parts) > 1 and end - start >= MIN_PART_ROWS:
-            _add_rows_by_part(base[start:end], x[start:end], a[slot], b[slot],
-                              float(scalings[slot]), parts)
+            _expand_by_part(base[start:end], shrink, b[slot], float(scalings[slot]), parts)
             continue
-        _add_rows(base[start:end], x[start:end], a[slot], b[slot], float(scalings[slot]))
+        _expand_into(base[start:end], shrink, b[slot].T, float(scalings[slot]))
     for slot, idx in rows.groups:
         delta = (x.index_select(0, idx) @ a[slot].T) @ b[slot].T
         base.index_add_(0, idx, delta.to(base.dtype), alpha=float(scalings[slot]))
@@ -125,13 +148,13 @@ def _expand_into(out: torch.Tensor, shrink: torch.Tensor, b_t: torch.Tensor,
         out.add_(shrink @ b_t, alpha=scale)
 
 
-def _add_rows_by_part(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                      scale: float, parts: tuple[int, ...]) -> None:
-    """:func:`_add_rows` for a block-diagonal ``b`` ``[sum(parts), len(parts) * r]``: each
-    part's columns of ``base`` take one GEMM with its own ``r`` columns of the shrink and its
-    diagonal block of ``b`` (strided views, no copies), so the zero blocks cost nothing."""
-    shrink = x @ a.T
-    rank = a.shape[0] // len(parts)
+def _expand_by_part(base: torch.Tensor, shrink: torch.Tensor, b: torch.Tensor, scale: float,
+                    parts: tuple[int, ...]) -> None:
+    """``base += scale * shrink @ b.T`` for a block-diagonal ``b`` ``[sum(parts), len(parts)
+    * r]``: each part's columns of ``base`` take one GEMM with its own ``r`` columns of the
+    shrink and its diagonal block of ``b`` (strided views, no copies), so the zero blocks
+    cost nothing."""
+    rank = shrink.shape[1] // len(parts)
     start = 0
     for i, width in enumerate(parts):
         cols = slice(i * rank, (i + 1) * rank)

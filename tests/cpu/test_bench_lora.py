@@ -117,8 +117,8 @@ def test_the_expand_parts_comparison_gives_both_forms_the_same_tokens(tiny_llama
     forms = _forms_script()
     threshold = lora_kernels.MIN_PART_ROWS
     calls = []
-    by_part = lora_kernels._add_rows_by_part
-    monkeypatch.setattr(lora_kernels, "_add_rows_by_part",
+    by_part = lora_kernels._expand_by_part
+    monkeypatch.setattr(lora_kernels, "_expand_by_part",
                         lambda *args: calls.append(args[-1]) or by_part(*args))
     out = forms.main(["--compare", "expand-parts", "--num-prompts", "2",
                       "--input-len", str(threshold), "--output-len", "1",

@@ -55,9 +55,8 @@ class LlamaAttention(nn.Module):
         self.attn = None  # set by the model runner: an AttentionBackend
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        qkv = self.kernels.project(x, self.qkv_proj)
-        if batch.lora is not None:
-            qkv = batch.lora.apply("qkv", self.layer_id, qkv, x)
+        qkv = (self.kernels.project(x, self.qkv_proj) if batch.lora is None
+               else batch.lora.project("qkv", self.layer_id, self.qkv_proj, x, self.kernels))
         n_qk = self.num_heads + self.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, n_qk, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
@@ -66,9 +65,8 @@ class LlamaAttention(nn.Module):
         qk = self.rotary(positions, qk, self.kernels)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         out = self.attn.forward(q, k, v, self.layer_id, batch).reshape(-1, self.q_size).to(x.dtype)
-        y = self.kernels.project(out, self.o_proj)
-        if batch.lora is not None:
-            y = batch.lora.apply("o", self.layer_id, y, out)
+        y = (self.kernels.project(out, self.o_proj) if batch.lora is None
+             else batch.lora.project("o", self.layer_id, self.o_proj, out, self.kernels))
         return self.tp.all_reduce(y)
 
 
@@ -97,8 +95,8 @@ class LlamaMLP(nn.Module):
         """:meth:`forward` with each row's LoRA update (``lora``: the batch's LoraBatch) on
         gate|up and down; the two projections run apart (no fused gated-MLP kernel)."""
         k = self.kernels
-        h = k.silu_mul(lora.apply("gate_up", layer_id, k.project(x, self.gate_up_proj), x))
-        return self.tp.all_reduce(lora.apply("down", layer_id, k.project(h, self.down_proj), h))
+        h = k.silu_mul(lora.project("gate_up", layer_id, self.gate_up_proj, x, k))
+        return self.tp.all_reduce(lora.project("down", layer_id, self.down_proj, h, k))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -38,7 +38,8 @@ from radixray.engine.weights.version import (
     default_version,
     raise_floor,
 )
-from radixray.kernels.lora import LoraRows, LoraSegments, lora_add, lora_add_segments
+from radixray.kernels.int8_linear import Int8Linear, quantize_per_channel
+from radixray.kernels.lora import Int8Shrink, LoraRows, LoraSegments, lora_add, lora_add_segments
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,13 @@ def lora_targets(model) -> dict[str, LoraTarget]:
             "down": LoraTarget(("down_proj",), mlp.inter, (hidden,))}
 
 
+def _target_layers(model) -> list[torch.nn.Module]:
+    """The base projection layers of every LoRA target, all decoder layers."""
+    return [proj for layer in model.layers
+            for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                         layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+
+
 class LoraBatch:
     """The adapters of one forward pass: each row's slot (-1: none) and the slots' weights.
     The model calls :meth:`apply` after each LoRA target's base projection.
@@ -96,8 +104,23 @@ class LoraBatch:
         self.row_slots = self.row_slots.to(device, non_blocking=True)
         self._rows = None
 
-    def apply(self, target: str, layer: int, base: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``base`` (the projection of ``x`` ``[T, in]``) plus each row's adapter update, in place."""
+    def project(self, target: str, layer: int, proj: torch.nn.Module, x: torch.Tensor,
+                kernels) -> torch.Tensor:
+        """``proj(x)`` (by ``kernels``, a CpuKernels) plus each row's adapter update. In an
+        int8 engine (``LoraSlots.int8_shrink``) outside the compiled decode op, ``x`` is
+        quantized once: the base projection and the long runs' shrinks share its codes."""
+        if (self.slots.int8_shrink and self.segments is None and x.dtype == torch.float32
+                and not x.is_cuda):
+            x_q, x_scale = proj.ext.quantize_rows_int8(x)
+            a_q, a_scale = self.slots.int8_weights(target, layer)
+            return self.apply(target, layer, proj.from_codes(x_q, x_scale), x,
+                              Int8Shrink(x_q, x_scale, a_q, a_scale))
+        return self.apply(target, layer, kernels.project(x, proj), x)
+
+    def apply(self, target: str, layer: int, base: torch.Tensor, x: torch.Tensor,
+              int8: Int8Shrink | None = None) -> torch.Tensor:
+        """``base`` (the projection of ``x`` ``[T, in]``) plus each row's adapter update, in
+        place; ``int8``: the long runs' shrinks on codes (kernels/lora.py)."""
         a, b = self.slots.weights(target, layer)
         if self.segments is not None:
             return lora_add_segments(base, x, a, b, self.segments)
@@ -109,7 +132,7 @@ class LoraBatch:
         if self._rows is None:
             self._rows = LoraRows.of(self.row_slots)
         return lora_add(base, x, a, b, self.slots.scalings, self._rows,
-                        self.slots.targets[target].out_parts)
+                        self.slots.targets[target].out_parts, int8)
 
 
 class LoraSlots:
@@ -132,6 +155,16 @@ class LoraSlots:
         self._device_scalings: torch.Tensor | None = None
         # the batched matmul: triton's segmented kernels on CUDA, grouped torch GEMMs on the CPU
         self.kernel = "triton" if str(device).startswith("cuda") else "torch"
+        # An int8 engine (every target's base layer w8a8 int8 with the C++ kernels) also keeps
+        # A's codes: prefill runs shrink on the activations' codes (kernels/lora.py Int8Shrink).
+        self.int8_shrink = self.kernel == "torch" and all(
+            isinstance(layer, Int8Linear) and layer.ext is not None
+            for layer in _target_layers(model))
+        self.a_q, self.a_scale = {}, {}  # per target: [layers, slots, width, in] / [..., width]
+        if self.int8_shrink:
+            for name, a in self.a.items():
+                self.a_q[name] = torch.zeros(a.shape, dtype=torch.int8, device=device)
+                self.a_scale[name] = torch.ones(a.shape[:-1], dtype=torch.float32, device=device)
         self._adapters: dict[str, tuple[LoraAdapter, int]] = {}  # name -> (adapter, namespace)
         self.versions: dict[str, WeightVersion] = {}  # name -> the version serving (0 at load)
         self._floors: dict[str, int] = {}  # name -> the greatest int version it served
@@ -290,6 +323,10 @@ class LoraSlots:
     def weights(self, target: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.a[target][layer], self.b[target][layer]
 
+    def int8_weights(self, target: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A's codes ``[slots, width, in]`` and per-row scales ``[slots, width]`` (int8 engines)."""
+        return self.a_q[target][layer], self.a_scale[target][layer]
+
     def device_scalings(self) -> torch.Tensor:
         """The slots' scalings on the weights' device (copied again after a slot fill)."""
         if self._device_scalings is None:
@@ -317,6 +354,10 @@ class LoraSlots:
                     cols = slice(part * r_max, part * r_max + r)
                     a[layer, cols] = la.to(self.dtype)
                     b[layer, rows, cols] = (lb * ratio if ratio != 1.0 else lb).to(self.dtype)
+            if self.int8_shrink:  # A's codes, per row of each layer's [width, in]
+                codes, scales = quantize_per_channel(a.reshape(-1, t.in_features))
+                self.a_q[name][:, slot] = codes.view(a.shape)
+                self.a_scale[name][:, slot] = scales.view(a.shape[:-1])
         self.scalings[slot] = scale
         self._device_scalings = None
         self.slot_names[slot] = adapter.name
