@@ -44,14 +44,14 @@ def test_int8_shrinks_equal_the_reference_on_the_dequantized_operands():
     grouped by slot: the runs equal the reference on the dequantized x and A, the grouped
     rows the fp32 reference, rows of no adapter are untouched."""
     gen = torch.Generator().manual_seed(5)
-    slots, rank, d_in, parts = 3, 4, 48, (24, 8, 8)
-    a = torch.randn(slots, len(parts) * rank, d_in, generator=gen)
-    b = torch.stack([torch.block_diag(*(torch.randn(w, rank, generator=gen) for w in parts))
-                     for _ in range(slots)])
+    rank, parts = 4, (24, 8, 8)
+    row_slots = torch.tensor([2, -1, 0] + [1] * MIN_PART_ROWS + [2] * MIN_RUN_ROWS + [0, -1])
+    x, a = (torch.randn(shape, generator=gen) for shape in ((len(row_slots), 48), (3, 12, 48)))
+    b = torch.zeros(3, sum(parts), len(parts) * rank)  # q|k|v's block-diagonal B per slot
+    for i, (start, width) in enumerate(zip((0, 24, 32), parts)):
+        b[:, start:start + width, i * rank:(i + 1) * rank] = torch.randn(3, width, rank,
+                                                                         generator=gen)
     scalings = torch.tensor([0.5, 2.0, 1.25])
-    riders = [2, -1, 0]
-    row_slots = torch.tensor(riders + [1] * MIN_PART_ROWS + [2] * MIN_RUN_ROWS + [0, -1])
-    x = torch.randn(len(row_slots), d_in, generator=gen)
     base = torch.randn(len(row_slots), sum(parts), generator=gen)
     plan = LoraRows.of(row_slots)
     int8, x_deq, a_deq = _int8_operands(x, a)
