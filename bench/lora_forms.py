@@ -10,6 +10,11 @@ batches whose rows are not grouped.
 part by part on the diagonal blocks of its B (``MIN_PART_ROWS`` rows and up) against one
 GEMM over the whole block-diagonal B (``MIN_PART_ROWS`` set past any run).
 
+``--compare int8-shrink``: in an int8 engine (the default precision), the long runs' shrinks
+as int8 GEMMs on the activations' codes (kernels/lora.py ``Int8Shrink``) against the fp32
+shrinks of the same runs (``LoraSlots.int8_shrink`` off). Their tokens may differ: the int8
+shrink rounds x and A to int8 first.
+
 The decode forms give the same tokens. The expand forms agree to the last bits only (a
 GEMM over the whole B sums three or two times as many terms, the extra ones zero, in
 another order), so long greedy runs of the default int8 model can part ways.
@@ -24,6 +29,8 @@ token), and whether the tokens were equal.
     .venv/bin/python bench/lora_forms.py --rounds 6 --output-json forms.json
     .venv/bin/python bench/lora_forms.py --compare expand-parts --input-len 512 \
         --output-len 1 --rounds 6 --output-json parts.json
+    .venv/bin/python bench/lora_forms.py --compare int8-shrink --input-len 512 \
+        --output-len 1 --rounds 4 --output-json int8.json
 
 Run it alone on the machine. Default precision (the fast CPU default) unless engine flags
 are given through ``--engine-json`` (a JSON object of Engine options).
@@ -42,7 +49,7 @@ import time
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--compare", choices=("decode-forms", "expand-parts"),
+    p.add_argument("--compare", choices=("decode-forms", "expand-parts", "int8-shrink"),
                    default="decode-forms", help="which pair of forms (the docstring)")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=16)
@@ -70,16 +77,25 @@ def _timed_batch(engine, prompts, adapters, output_len) -> tuple[float, float, l
 
 
 def _forms(compare: str, lora_kernels) -> dict:
-    """Each form's name -> a function that puts it in place; the first form is the
-    engine's own. The caller puts the engine's back with the first."""
+    """Each form's name -> a function of the LoRA engine that puts the form in place; the
+    first form is the engine's own. The caller puts the engine's back with the first."""
     if compare == "expand-parts":
         def threshold(rows):
-            return lambda: setattr(lora_kernels, "MIN_PART_ROWS", rows)
+            return lambda _engine: setattr(lora_kernels, "MIN_PART_ROWS", rows)
         return {"parts": threshold(lora_kernels.MIN_PART_ROWS), "whole": threshold(1 << 62)}
+    if compare == "int8-shrink":
+        def int8(on):
+            def use(engine):
+                if not engine.runner.lora.a_q:
+                    raise SystemExit("--compare int8-shrink needs an int8 engine (the default "
+                                     "precision, or quantization w8a8_int8)")
+                engine.runner.lora.int8_shrink = on
+            return use
+        return {"int8": int8(True), "fp32": int8(False)}
     plan_of = lora_kernels.LoraSegments.__dict__["of"]  # the classmethod itself
     groups = functools.partial(lora_kernels.LoraSegments.of, runs=False)  # bound: no descriptor
-    return {"runs": lambda: setattr(lora_kernels.LoraSegments, "of", plan_of),
-            "groups": lambda: setattr(lora_kernels.LoraSegments, "of", groups)}
+    return {"runs": lambda _engine: setattr(lora_kernels.LoraSegments, "of", plan_of),
+            "groups": lambda _engine: setattr(lora_kernels.LoraSegments, "of", groups)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -111,12 +127,12 @@ def main(argv: list[str] | None = None) -> dict:
                     max_loras_per_batch=max(8, args.num_adapters)) as engine:
             try:
                 for use in forms.values():  # warm-up, left out
-                    use()
+                    use(engine)
                     _timed_batch(engine, prompts, adapters, args.output_len)
                 for r in range(args.rounds):
                     order = list(forms) if r % 2 == 0 else list(forms)[::-1]
                     for form in order:
-                        forms[form]()
+                        forms[form](engine)
                         seconds, tpot, tokens = _timed_batch(engine, prompts, adapters,
                                                              args.output_len)
                         rows[form].append({"seconds": seconds, "median_tpot_ms": tpot,
@@ -124,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
                         print(f"round {r + 1}/{args.rounds} {form}: {seconds:.2f} s"
                               + (f", p50 TPOT {tpot:.2f} ms" if tpot else ""), flush=True)
             finally:
-                forms[first]()
+                forms[first](engine)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     key = "median_tpot_ms" if args.output_len > 1 else "seconds"

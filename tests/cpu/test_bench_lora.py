@@ -128,3 +128,27 @@ def test_the_expand_parts_comparison_gives_both_forms_the_same_tokens(tiny_llama
     assert out["parts"]["median_seconds"] > 0 and out["whole"]["median_tpot_ms"] is None
     assert lora_kernels.MIN_PART_ROWS == threshold
     assert len(set(calls)) == 2, calls[:4]  # q|k|v and gate|up, by parts
+
+
+def test_the_int8_shrink_comparison_runs_both_forms_in_an_int8_engine(tiny_llama_dir,
+                                                                     monkeypatch):
+    """``--compare int8-shrink`` on a w8a8 int8 engine: the int8 shrinks ran in the int8
+    form's rounds only, both forms timed; an fp32 engine is refused by name."""
+    from radixray.kernels.lora import MIN_RUN_ROWS, Int8Shrink
+    forms = _forms_script()
+    calls = []
+    shrink = Int8Shrink.shrink
+    monkeypatch.setattr(Int8Shrink, "shrink",
+                        lambda self, *span: calls.append(span) or shrink(self, *span))
+    out = forms.main(["--compare", "int8-shrink", "--num-prompts", "2",
+                      "--input-len", str(MIN_RUN_ROWS), "--output-len", "1",
+                      "--num-adapters", "2", "--lora-rank", "4", "--rounds", "1",
+                      "--engine-json", json.dumps({"model": tiny_llama_dir, "dtype": "float32",
+                                                   "quantization": "w8a8_int8"})])
+    assert out["compared_by"] == "seconds" and calls
+    assert out["int8"]["median_seconds"] > 0 and out["fp32"]["median_seconds"] > 0
+    with pytest.raises(SystemExit, match="int8 engine"):
+        forms.main(["--compare", "int8-shrink", "--num-prompts", "2", "--input-len", "4",
+                    "--output-len", "1", "--num-adapters", "1", "--lora-rank", "4",
+                    "--rounds", "1", "--engine-json",
+                    json.dumps({"model": tiny_llama_dir, "dtype": "float32"})])
