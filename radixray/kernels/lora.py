@@ -46,6 +46,10 @@ MIN_RUN_ROWS = 16
 # bench/lora_forms.py --compare expand-parts). The two agree to rounding (the whole B's GEMM
 # sums its zero blocks too, in its own order), as any two GEMM shapes may.
 MIN_PART_ROWS = 128
+# A run at least this long shrinks on int8 codes in an int8 engine (Int8Shrink); below it the
+# int8 GEMM and its rescale cost more than the fp32 GEMM (a 576 x 48 shrink: 21 vs 14 us at
+# 8 rows, 27 vs 34 us at 64, 71 vs 195 us at 512 on an AVX-512 VNNI EPYC; docs/benchmarks.md).
+MIN_INT8_ROWS = 64
 
 
 @dataclass
@@ -95,8 +99,8 @@ class Int8Shrink:
     base projection quantized them, and the slots' A as per-row codes ``a_q``
     ``[slots, width, in]`` int8 with scales ``a_scale`` ``[slots, width]`` (LoraSlots keeps
     them beside A). A run's shrink is then one int8 GEMM on the codes, rescaled: ``x @ A.T``
-    to the two quantizations' rounding, at the int8 rate (3.5-4.5x fp32's at a 512-row run
-    on an AVX-512 VNNI EPYC; docs/benchmarks.md)."""
+    to the two quantizations' rounding, 2.7x faster than fp32's at a 512-row run on an
+    AVX-512 VNNI EPYC, rescale included (docs/benchmarks.md)."""
 
     x_q: torch.Tensor
     x_scale: torch.Tensor
@@ -116,11 +120,12 @@ def lora_add(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
     docstring); ``a`` ``[slots, r, in]``, ``b`` ``[slots, out, r]``, ``scalings`` ``[slots]``
     (a CPU float tensor). ``parts``: the output widths of a fused target whose ``b`` is
     block-diagonal (``len(parts)`` blocks of ``r / len(parts)`` columns, as LoraSlots stacks
-    q|k|v and gate|up); a long run then skips the zero blocks. ``int8``: the runs' shrinks
-    as int8 GEMMs (:class:`Int8Shrink`; the grouped rows keep fp32). Adds into ``base`` in
-    place and returns it."""
+    q|k|v and gate|up); a long run then skips the zero blocks. ``int8``: the shrinks of runs
+    of :data:`MIN_INT8_ROWS` rows and more as int8 GEMMs (:class:`Int8Shrink`; shorter runs
+    and the grouped rows keep fp32). Adds into ``base`` in place and returns it."""
     for slot, start, end in rows.runs:
-        shrink = (int8.shrink(slot, start, end) if int8 is not None
+        shrink = (int8.shrink(slot, start, end)
+                  if int8 is not None and end - start >= MIN_INT8_ROWS
                   else x[start:end] @ a[slot].T)
         if parts is not None and len(parts) > 1 and end - start >= MIN_PART_ROWS:
             _expand_by_part(base[start:end], shrink, b[slot], float(scalings[slot]), parts)

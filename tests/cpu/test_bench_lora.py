@@ -134,14 +134,14 @@ def test_the_int8_shrink_comparison_runs_both_forms_in_an_int8_engine(tiny_llama
                                                                      monkeypatch):
     """``--compare int8-shrink`` on a w8a8 int8 engine: the int8 shrinks ran in the int8
     form's rounds only, both forms timed; an fp32 engine is refused by name."""
-    from radixray.kernels.lora import MIN_RUN_ROWS, Int8Shrink
+    from radixray.kernels.lora import MIN_INT8_ROWS, Int8Shrink
     forms = _forms_script()
     calls = []
     shrink = Int8Shrink.shrink
     monkeypatch.setattr(Int8Shrink, "shrink",
                         lambda self, *span: calls.append(span) or shrink(self, *span))
     out = forms.main(["--compare", "int8-shrink", "--num-prompts", "2",
-                      "--input-len", str(MIN_RUN_ROWS), "--output-len", "1",
+                      "--input-len", str(MIN_INT8_ROWS), "--output-len", "1",
                       "--num-adapters", "2", "--lora-rank", "4", "--rounds", "1",
                       "--engine-json", json.dumps({"model": tiny_llama_dir, "dtype": "float32",
                                                    "quantization": "w8a8_int8"})])

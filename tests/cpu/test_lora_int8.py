@@ -18,6 +18,7 @@ from radixray.engine.weights.lora_slots import LoraSlots
 from radixray.engine.weights.peft_adapter import read_peft_adapter
 from radixray.kernels.int8_linear import quantize_per_channel, quantize_per_token
 from radixray.kernels.lora import (
+    MIN_INT8_ROWS,
     MIN_PART_ROWS,
     MIN_RUN_ROWS,
     Int8Shrink,
@@ -41,8 +42,9 @@ def _int8_operands(x: torch.Tensor, a: torch.Tensor) -> tuple[Int8Shrink, torch.
 
 def test_int8_shrinks_equal_the_reference_on_the_dequantized_operands():
     """Runs long and short on a fused target (q|k|v by parts past MIN_PART_ROWS rows), riders
-    grouped by slot: the runs equal the reference on the dequantized x and A, the grouped
-    rows the fp32 reference, rows of no adapter are untouched."""
+    grouped by slot: the runs of MIN_INT8_ROWS rows and more equal the reference on the
+    dequantized x and A, a shorter run and the grouped rows the fp32 reference, rows of no
+    adapter are untouched."""
     gen = torch.Generator().manual_seed(5)
     rank, parts = 4, (24, 8, 8)
     row_slots = torch.tensor([2, -1, 0] + [1] * MIN_PART_ROWS + [2] * MIN_RUN_ROWS + [0, -1])
@@ -59,12 +61,12 @@ def test_int8_shrinks_equal_the_reference_on_the_dequantized_operands():
 
     in_runs = torch.zeros(len(row_slots), dtype=torch.bool)
     for _, start, end in plan.runs:
-        in_runs[start:end] = True
-    assert in_runs.sum() == MIN_PART_ROWS + MIN_RUN_ROWS
+        in_runs[start:end] = end - start >= MIN_INT8_ROWS
+    assert MIN_RUN_ROWS < MIN_INT8_ROWS <= MIN_PART_ROWS and in_runs.sum() == MIN_PART_ROWS
     on_codes = lora_add_reference(base.double(), x_deq, a_deq, b.double(), scalings, row_slots)
     torch.testing.assert_close(got[in_runs], on_codes[in_runs].float(), rtol=1e-5, atol=1e-5)
     fp32 = lora_add_reference(base, x, a, b, scalings, row_slots)
-    grouped = ~in_runs & (row_slots >= 0)
+    grouped = ~in_runs & (row_slots >= 0)  # the short run of slot 2 and the riders
     torch.testing.assert_close(got[grouped], fp32[grouped], rtol=1e-5, atol=1e-5)
     assert torch.equal(got[row_slots < 0], base[row_slots < 0])
     # the int8 update is the fp32 one to the quantization's rounding, not another update
@@ -83,14 +85,15 @@ def int8_lora_eng(tiny_llama_dir, lora_adapters):
 
 
 def test_an_int8_engine_prefills_long_runs_on_codes(int8_lora_eng, lora_adapters, monkeypatch):
-    """A prompt of MIN_RUN_ROWS tokens and more with an adapter: its prefill's shrinks take
-    the int8 GEMM, one per LoRA target and layer; A's codes in the slots are A's own."""
+    """A prompt of MIN_INT8_ROWS tokens and more with an adapter: its prefill's shrinks take
+    the int8 GEMM, one per LoRA target and layer (its decode steps, single rows, do not);
+    A's codes in the slots are A's own."""
     slots = int8_lora_eng.runner.lora
     assert slots.int8_shrink
     calls = []
     shrink = Int8Shrink.shrink
     monkeypatch.setattr(Int8Shrink, "shrink", lambda self, *span: calls.append(span) or shrink(self, *span))
-    prompt = list(range(5, 5 + 3 * MIN_RUN_ROWS))
+    prompt = list(range(5, 5 + MIN_INT8_ROWS + 8))
     params = {"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": True}
     out = int8_lora_eng.generate(input_ids=[prompt], sampling_params=params, lora_path=["alpha"])
     assert len(out[0]["output_ids"]) == 3
