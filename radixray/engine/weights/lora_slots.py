@@ -39,7 +39,14 @@ from radixray.engine.weights.version import (
     raise_floor,
 )
 from radixray.kernels.int8_linear import Int8Linear, quantize_per_channel
-from radixray.kernels.lora import Int8Shrink, LoraRows, LoraSegments, lora_add, lora_add_segments
+from radixray.kernels.lora import (
+    MIN_INT8_ROWS,
+    Int8Shrink,
+    LoraRows,
+    LoraSegments,
+    lora_add,
+    lora_add_segments,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +86,7 @@ def _target_layers(model) -> list[torch.nn.Module]:
 
 class LoraBatch:
     """The adapters of one forward pass: each row's slot (-1: none) and the slots' weights.
-    The model calls :meth:`apply` after each LoRA target's base projection.
+    The model runs each LoRA target's base projection through :meth:`project`.
 
     A decode batch on the CPU (``decode``) runs one op per target (kernels/lora.py
     ``lora_add_segments``) over its rows planned by slot here, once: no Python per adapter
@@ -107,10 +114,11 @@ class LoraBatch:
     def project(self, target: str, layer: int, proj: torch.nn.Module, x: torch.Tensor,
                 kernels) -> torch.Tensor:
         """``proj(x)`` (by ``kernels``, a CpuKernels) plus each row's adapter update. In an
-        int8 engine (``LoraSlots.int8_shrink``) outside the compiled decode op, ``x`` is
-        quantized once: the base projection and the long runs' shrinks share its codes."""
-        if (self.slots.int8_shrink and self.segments is None and x.dtype == torch.float32
-                and not x.is_cuda):
+        int8 engine (``LoraSlots.int8_shrink``) outside the compiled decode op, a batch with
+        room for a run of ``MIN_INT8_ROWS`` rows quantizes ``x`` once: the base projection
+        and those runs' shrinks share its codes."""
+        if (self.slots.int8_shrink and self.segments is None and x.shape[0] >= MIN_INT8_ROWS
+                and x.dtype == torch.float32 and not x.is_cuda):
             x_q, x_scale = proj.ext.quantize_rows_int8(x)
             a_q, a_scale = self.slots.int8_weights(target, layer)
             return self.apply(target, layer, proj.from_codes(x_q, x_scale), x,
