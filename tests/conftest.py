@@ -55,6 +55,14 @@ def lora_adapters(tiny_llama_dir, tmp_path_factory):
     return make_lora_adapters(tiny_llama_dir, str(tmp_path_factory.mktemp("lora-adapters")))
 
 
+@pytest.fixture(scope="session")
+def smollm2_refs():
+    """The default model's test prompts as token ids and transformers' greedy references for
+    them, computed once a session (model_fixtures.smollm2_references)."""
+    from model_fixtures import smollm2_references
+    return smollm2_references()
+
+
 @pytest.fixture(scope="module")
 def eng(tiny_llama_dir):
     """An fp32 engine over the tiny Llama that checks KV conservation after every step."""

@@ -148,12 +148,19 @@ def random_prompts(vocab: int, seed: int = 1) -> list[list[int]]:
 
 
 def run_all_modes(model_dir: str, prompts: list[list[int]], hf_model, label: str,
-                  **engine_options) -> None:
+                  alone: tuple[int, ...] | None = None, **engine_options) -> None:
     """fp32 greedy tokens equal ``hf_model``'s for each prompt alone, batched, from the radix
-    cache and with 16-token chunked prefill; KV conservation holds after each engine."""
+    cache and with 16-token chunked prefill; KV conservation holds after each engine.
+
+    ``hf_model``: the Hugging Face model, or its references already computed (``hf_greedy``
+    of each prompt, as :func:`smollm2_references` gives them). ``alone``: the indices of the
+    prompts also run one at a time (all when None); a tensor-parallel group of more ranks
+    than this machine's two CPUs takes ~0.25 s a decode step, so its tests run two alone and
+    leave the rest to the batch."""
     from radixray import Engine
 
-    refs = [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
+    refs = hf_model if isinstance(hf_model, list) else [
+        hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
     greedy = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 
     def check(outs, mode):
@@ -162,7 +169,10 @@ def run_all_modes(model_dir: str, prompts: list[list[int]], hf_model, label: str
 
     with Engine(model=model_dir, dtype="float32", max_total_tokens=8192,
                 check_kv_conservation=True, **engine_options) as eng:
-        check([eng.generate(input_ids=p, sampling_params=greedy) for p in prompts], "alone")
+        picks = range(len(prompts)) if alone is None else alone
+        for i in picks:
+            out = eng.generate(input_ids=prompts[i], sampling_params=greedy)
+            assert_greedy_equal(out["output_ids"], *refs[i], f"{label} alone prompt {i}")
         eng.flush_cache()
         check(eng.generate(input_ids=prompts, sampling_params=greedy), "batch")
         cached = eng.generate(input_ids=prompts, sampling_params=greedy)
@@ -174,6 +184,20 @@ def run_all_modes(model_dir: str, prompts: list[list[int]], hf_model, label: str
                 check_kv_conservation=True, **engine_options) as eng:
         check(eng.generate(input_ids=prompts, sampling_params=greedy), "chunked-16")
         eng.check_kv_conservation()
+
+
+def smollm2_references() -> tuple[list[list[int]], list[tuple[list[int], list[float]]]]:
+    """The default model's (SmolLM2 GGUF) ``SMOL_PROMPTS`` as token ids, and transformers'
+    greedy tokens and top-2 gaps for each (loading and running it takes ~40 s here: the
+    session fixture ``smollm2_refs`` computes them once)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from radixray.engine.weights.loader import default_model_path
+    folder, name = default_model_path().rsplit("/", 1)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    prompts = [tok.encode(p) for p in SMOL_PROMPTS]
+    return prompts, [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
 
 
 # ---- LoRA adapters (tests/cpu/test_lora.py, test_lora_serving.py) ------------------------

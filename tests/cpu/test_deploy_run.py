@@ -103,6 +103,7 @@ def _submit(dashboard: str, *entrypoint: str, timeout: float = 600) -> str:
     return out.stdout
 
 
+@pytest.mark.slow  # ~55 s with its Ray head: out of the quick run's 15-minute budget
 def test_a_serving_job_then_serve_deploy_then_serve_run_until_ctrl_c(head, deploy_file):
     """One app through every command, in the order that starts its fleet once:
     - `ray job submit -- serve run --non-blocking FILE` (Ray's pattern for deploying Serve

@@ -198,6 +198,7 @@ def test_placement_reserves_a_bundle_per_rank(tiny_llama_dir):
     assert two == one * 3 // 4  # half of 4 copies, plus the gathered full weights
 
 
+@pytest.mark.slow  # ~19 s (test_grpo_job learns the one-rank toy task in the quick run)
 def test_grpo_learns_a_toy_task_with_two_trainer_ranks(ray_cluster, tiny_llama_dir, tmp_path):
     """As test_grpo_job's colocated deterministic run, with a 2-rank FSDP trainer: two
     memory-only trainer bundles before the workers'; rollout and train logprobs equal."""

@@ -23,6 +23,7 @@ def _load_script(name: str):
     return module
 
 
+@pytest.mark.slow  # ~18 s: out of the quick run's 15-minute budget
 def test_dry_run_plans_every_step_and_passes(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHON": sys.executable, "TMPDIR": str(tmp_path)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_fixtures import SMOL_PROMPTS, random_prompts, run_all_modes
+from model_fixtures import random_prompts, run_all_modes
 
 BACKENDS = {
     "fused": {},  # C++ CPU kernels + cpu_paged attention (the default when they build)
@@ -29,13 +29,6 @@ def test_tiny_models_match_hf(kind, backend, request):
 
 @pytest.mark.slow  # 80 s; the converted folder's greedy output is checked against
 # transformers by tests/cpu/test_weight_update.py::test_default_model_takes_new_weights_by_every_path
-def test_smollm2_gguf_matches_hf():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from radixray.engine.weights.loader import default_model_path
-    path = default_model_path()
-    folder, name = path.rsplit("/", 1)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    prompts = [tok.encode(p) for p in SMOL_PROMPTS]
-    run_all_modes("default", prompts, hf, "smollm2")
+def test_smollm2_gguf_matches_hf(smollm2_refs):
+    prompts, refs = smollm2_refs
+    run_all_modes("default", prompts, refs, "smollm2")

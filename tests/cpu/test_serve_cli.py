@@ -8,6 +8,7 @@ import threading
 import time
 
 import httpx
+import pytest
 from serving_helpers import (
     assert_disconnect_returns_kv,
     free_port,
@@ -68,6 +69,7 @@ def _wait_for_line(path, text: str, proc, timeout: float = 300) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow  # ~35 s: out of the quick run's 15-minute budget
 def test_sigterm_to_the_process_group_drains_in_flight_request_then_exits_zero(
         tiny_llama_dir, tmp_path):
     port = free_port()
