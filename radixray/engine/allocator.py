@@ -18,8 +18,11 @@ faults of fresh activations").
   memory at its top instead of trimming it after every free.
 
 The cost is resident memory: a process keeps its largest pass's activations after the
-pass ends. The memory saver's release (mem_cache/storage_saver.py) still calls
-``malloc_trim``, which returns free arena pages whatever the thresholds.
+pass ends. The memory saver's release (mem_cache/storage_saver.py) frees its storages
+inside :func:`trimming` and then calls ``malloc_trim``. ``malloc_trim`` alone would not do:
+it returns the free pages inside an arena's heaps, but not the free top of a thread's
+arena (a heap of up to 64 MiB), which a pinned trim threshold lets grow resident; a KV
+buffer carved from such a top and freed there would stay in the process.
 ``RADIXRAY_KEEP_FREED_MEMORY=0`` leaves glibc's defaults, as does a ``GLIBC_TUNABLES``
 that sets any ``glibc.malloc`` tunable itself (the user's choice wins). Elsewhere than
 glibc it does nothing.
@@ -27,10 +30,12 @@ glibc it does nothing.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import sys
+from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +47,7 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's maximum for M_MMAP_THRESHOLD on 64-bit hosts
 TRIM_THRESHOLD_BYTES = 1 << 30
 TOP_PAD_BYTES = 64 << 20
+DEFAULT_TRIM_THRESHOLD_BYTES = 128 << 10  # glibc's
 
 _pinned: bool | None = None  # once per process: the outcome of the first call
 
@@ -80,3 +86,22 @@ def _pin() -> bool:
                 "up to %d MiB free kept at an arena's top (RADIXRAY_KEEP_FREED_MEMORY=0 to "
                 "leave the defaults)", MMAP_THRESHOLD_BYTES >> 20, TRIM_THRESHOLD_BYTES >> 20)
     return True
+
+
+@contextlib.contextmanager
+def trimming() -> Iterator[None]:
+    """glibc's default trim threshold (128 KiB) and top pad (0) for the block, the pinned
+    values again after it (nothing changes where :func:`keep_freed_memory` pinned nothing):
+    what the block frees at an arena's top goes back to the kernel as it is freed."""
+    if not _pinned:
+        yield
+        return
+    mallopt = ctypes.CDLL(None).mallopt
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD_BYTES)
+    mallopt(M_TOP_PAD, 0)
+    try:
+        yield
+    finally:
+        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+        mallopt(M_TOP_PAD, TOP_PAD_BYTES)

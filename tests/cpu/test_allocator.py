@@ -67,3 +67,57 @@ def test_the_users_glibc_tunables_win():
 def test_the_engine_pins_them_at_start(eng):
     """The in-process engine of these tests called it (this process is glibc's)."""
     assert allocator._pinned is True
+
+
+# On a thread of its own (its own arena), a 20 MiB block is freed, so the arena's top holds
+# 20 MiB of resident free memory, and taken again (no new page): the block a KV buffer is
+# when it was carved from a top that an earlier pass left. Freeing it then, as the memory
+# saver's release does, must return it. Prints the MiB the resident set fell by.
+TOP_PROBE = """
+import ctypes, sys, threading
+from radixray.engine.allocator import keep_freed_memory, trimming
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = (ctypes.c_size_t,)
+libc.free.argtypes = (ctypes.c_void_p,)
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon"))
+assert keep_freed_memory()
+fell = []
+def release(block):
+    libc.free(block)
+    libc.malloc_trim(0)
+def work():
+    size = 20 << 20
+    libc.malloc(1000)
+    first = libc.malloc(size)
+    ctypes.memset(first, 1, size)
+    libc.free(first)
+    block = libc.malloc(size)
+    ctypes.memset(block, 2, size)
+    before = rss()
+    if sys.argv[1] == "trimming":
+        with trimming():
+            release(block)
+    else:
+        release(block)
+    fell.append((before - rss()) >> 20)
+thread = threading.Thread(target=work)
+thread.start()
+thread.join()
+print(fell[0])
+"""
+
+
+def _fell_mib(how: str) -> int:
+    full = {k: v for k, v in os.environ.items()
+            if k not in ("RADIXRAY_KEEP_FREED_MEMORY", "GLIBC_TUNABLES")}
+    return int(subprocess.run([sys.executable, "-c", TOP_PROBE, how], env=full, check=True,
+                              capture_output=True, text=True, timeout=120).stdout)
+
+
+def test_a_block_freed_at_an_arenas_top_leaves_the_process_inside_trimming():
+    """``malloc_trim`` alone leaves a thread arena's top resident under the pinned trim
+    threshold (glibc 2.36 here: 0 MiB fell); freed inside ``trimming`` it goes."""
+    assert _fell_mib("trimming") >= 19

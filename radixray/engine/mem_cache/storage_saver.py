@@ -47,6 +47,7 @@ from typing import IO
 
 import torch
 
+from radixray.engine.allocator import trimming
 from radixray.engine.mem_cache.hugepages import advise_huge_pages
 
 logger = logging.getLogger(__name__)
@@ -168,10 +169,11 @@ class StorageSaver:
             state["kv_cache"] = _Released(storages, [st.nbytes() for st in storages])
         if "cuda_graph" in tags:  # no storages: the graphs and their memory pool go
             state["cuda_graph"] = _Released([], [self._release_graphs()])
-        for tag in tags:
-            for storage in state[tag].storages:
-                storage.resize_(0)
-        self._return_freed_memory(state.values())
+        with trimming():  # freed at an arena's top: returned now (engine/allocator.py)
+            for tag in tags:
+                for storage in state[tag].storages:
+                    storage.resize_(0)
+            self._return_freed_memory(state.values())
         self.state.update(state)
         self.released.update(tags)
         return [state[t] for t in tags]
