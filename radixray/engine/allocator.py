@@ -71,11 +71,9 @@ def _pin() -> bool:
     if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         logger.info("glibc allocator left as GLIBC_TUNABLES sets it")
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     settings = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES), (M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES),
                 (M_TOP_PAD, TOP_PAD_BYTES))
     if not all(mallopt(param, value) == 1 for param, value in settings):
@@ -96,8 +94,7 @@ def trimming() -> Iterator[None]:
     if not _pinned:
         yield
         return
-    mallopt = ctypes.CDLL(None).mallopt
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt = _mallopt()
     mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD_BYTES)
     mallopt(M_TOP_PAD, 0)
     try:
@@ -105,3 +102,13 @@ def trimming() -> Iterator[None]:
     finally:
         mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
         mallopt(M_TOP_PAD, TOP_PAD_BYTES)
+
+
+def _mallopt():
+    """glibc's ``mallopt(param, value)``, or None elsewhere (musl has none)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return None
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    return mallopt

@@ -41,11 +41,16 @@ print(pinned, mapped)
 """
 
 
-def _probe(**env: str) -> tuple[bool, int]:
+def _run(script: str, **env: str) -> str:
+    """``script``'s output in a new interpreter, without the user's allocator settings."""
     full = {k: v for k, v in os.environ.items()
             if k not in ("RADIXRAY_KEEP_FREED_MEMORY", "GLIBC_TUNABLES")}
-    out = subprocess.run([sys.executable, "-c", PROBE], env={**full, **env}, check=True,
-                         capture_output=True, text=True, timeout=120).stdout.split()
+    return subprocess.run([sys.executable, "-c", script], env={**full, **env}, check=True,
+                          capture_output=True, text=True, timeout=120).stdout
+
+
+def _probe(**env: str) -> tuple[bool, int]:
+    out = _run(PROBE, **env).split()
     return out[0] == "True", int(out[1])
 
 
@@ -71,10 +76,11 @@ def test_the_engine_pins_them_at_start(eng):
 
 # On a thread of its own (its own arena), a 20 MiB block is freed, so the arena's top holds
 # 20 MiB of resident free memory, and taken again (no new page): the block a KV buffer is
-# when it was carved from a top that an earlier pass left. Freeing it then, as the memory
-# saver's release does, must return it. Prints the MiB the resident set fell by.
+# when it was carved from a top that an earlier pass left. Freed inside ``trimming`` and
+# followed by ``malloc_trim``, as the memory saver's release does, it must leave the process.
+# Prints the MiB the resident set fell by.
 TOP_PROBE = """
-import ctypes, sys, threading
+import ctypes, threading
 from radixray.engine.allocator import keep_freed_memory, trimming
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
@@ -85,9 +91,6 @@ def rss():
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon"))
 assert keep_freed_memory()
 fell = []
-def release(block):
-    libc.free(block)
-    libc.malloc_trim(0)
 def work():
     size = 20 << 20
     libc.malloc(1000)
@@ -97,11 +100,9 @@ def work():
     block = libc.malloc(size)
     ctypes.memset(block, 2, size)
     before = rss()
-    if sys.argv[1] == "trimming":
-        with trimming():
-            release(block)
-    else:
-        release(block)
+    with trimming():
+        libc.free(block)
+        libc.malloc_trim(0)
     fell.append((before - rss()) >> 20)
 thread = threading.Thread(target=work)
 thread.start()
@@ -110,14 +111,7 @@ print(fell[0])
 """
 
 
-def _fell_mib(how: str) -> int:
-    full = {k: v for k, v in os.environ.items()
-            if k not in ("RADIXRAY_KEEP_FREED_MEMORY", "GLIBC_TUNABLES")}
-    return int(subprocess.run([sys.executable, "-c", TOP_PROBE, how], env=full, check=True,
-                              capture_output=True, text=True, timeout=120).stdout)
-
-
 def test_a_block_freed_at_an_arenas_top_leaves_the_process_inside_trimming():
     """``malloc_trim`` alone leaves a thread arena's top resident under the pinned trim
     threshold (glibc 2.36 here: 0 MiB fell); freed inside ``trimming`` it goes."""
-    assert _fell_mib("trimming") >= 19
+    assert int(_run(TOP_PROBE)) >= 19
