@@ -8,12 +8,12 @@ request, and tells the router which workers are routable after every change.
 Only the controller starts or stops workers; ingress replicas ask it for worker
 handles and route through the router actor it creates.
 
-It is a named, detached async actor (``{app}-controller-{fleet key}``), created
-by the first ingress replica that needs it; the workers and the router are its
-children. Every ingress replica sends it a heartbeat; once none has for
-``fleet.owner_timeout_s`` (the app was deleted, or redeployed with a different
-fleet shape) it stops the workers and the router and exits. So no single
-replica's death takes the fleet down, and no fleet outlives its app.
+It is a named, detached async actor (``{app}-controller-{fleet key}``), created by the
+first ingress replica that needs it or, earlier, by ``radixray serve`` (serve/fleet.py
+``prestart_fleet``); the workers and the router are its children. Every ingress replica
+sends it a heartbeat; once none has for ``fleet.owner_timeout_s`` (the app was deleted,
+or redeployed with a different fleet shape) it stops the workers and the router and
+exits. So no replica's death takes the fleet down, and no fleet outlives its app.
 
 The controller is restartable too. The workers and the router are named, detached
 actors, so they keep serving while it is down; when Ray starts it again (same

@@ -131,6 +131,7 @@ def cmd_serve(args) -> int:
     from ray import serve
 
     from radixray.serve.builder import build_app
+    from radixray.serve.fleet import prestart_fleet
     if args.address:
         ray.init(address=args.address, namespace=cfg.namespace)
     else:
@@ -143,12 +144,14 @@ def cmd_serve(args) -> int:
         signal.signal(sig, lambda signum, _: (logger.warning(
             "%s received: draining requests and shutting down...", signal.Signals(signum).name),
             stop.set()))
+    fleet_beats = prestart_fleet(cfg, f"serve-cli-{os.getpid()}")
     start_serve(serve, server.host, plan.proxy_port)
     serve.run(build_app(cfg), name=cfg.app_name, route_prefix=server.route_prefix,
               blocking=False)
     bases = [f"http://{server.host}:{port}" for port in plan.ports]
     if not all(wait_ready(base, stop) for base in bases):
         return drain_and_exit(cfg, stop, args.drain_timeout)
+    fleet_beats.set()  # the ingress replicas keep the fleet alive from here on
     print_ready(bases, server.served_model_name, plan.mode)
     stop.wait()
     return drain_and_exit(cfg, stop, args.drain_timeout)

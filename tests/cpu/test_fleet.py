@@ -408,8 +408,8 @@ def test_killed_worker_is_restarted_and_requests_end_cleanly(fleet):
 
 
 def test_fleet_survives_the_loss_of_an_ingress_replica(fleet):
-    """The replica that created the controller dies; Serve replaces it and the new replica
-    joins the same fleet: same controller, no worker restarted."""
+    """The ingress replica dies; Serve replaces it and the new replica joins the same fleet:
+    same controller, no worker restarted."""
     import ray
     from serving_helpers import wait_ready
     before = {w["worker_id"]: w["started_at"] for w in _state(fleet)["workers"]}
