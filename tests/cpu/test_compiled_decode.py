@@ -82,6 +82,25 @@ def test_compiled_decode_equals_eager_at_every_batch_size(tiny_llama_dir, quant,
     assert any(files for _, _, files in os.walk(os.environ["TORCHINDUCTOR_CACHE_DIR"]))
 
 
+def test_a_restart_with_another_kv_pool_size_reuses_the_compiled_graphs(tiny_llama_dir):
+    """The pool's token count (sized by the memory free at start) is no constant of the
+    graphs: an engine with a pool of another size finds both graphs in inductor's cache."""
+    import random
+
+    from torch._dynamo.utils import counters
+
+    def compile_with(pool: int) -> dict:
+        before = dict(counters["inductor"])
+        with Engine(model=tiny_llama_dir, dtype="float32", max_total_tokens=pool,
+                    enable_torch_compile=True, torch_compile_max_bs=4) as engine:
+            assert engine.runner.compiled_decode is not None
+        return {k: counters["inductor"][k] - before.get(k, 0)
+                for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
+    compile_with(4096)
+    other = compile_with(4096 + 16 * random.randrange(1, 4096))  # a size no earlier run had
+    assert other == {"fxgraph_cache_hit": 2, "fxgraph_cache_miss": 0}
+
+
 def test_inductor_cache_goes_to_radixrays_folder_unless_the_user_chose_one(monkeypatch):
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)

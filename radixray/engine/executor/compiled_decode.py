@@ -23,7 +23,8 @@ graphs carry no size asserts (:func:`inductor_options`).
 A larger batch, an extend or mixed batch, or one that records routes runs eagerly; the
 first such batch is logged with the reason. The graphs are compiled at start-up (the log
 says how long) into inductor's cache under ``~/.cache/radixray/inductor``
-(``RADIXRAY_CACHE_DIR``), which a restart reuses.
+(``RADIXRAY_CACHE_DIR``), which a restart reuses: the KV pool's token count, which follows
+the memory free at start, is a symbolic size too, so it does not change the graphs' keys.
 
 Weights and the KV pool are read through the modules on every call (inductor's freezing
 is off), so a weight update's commit or a memory release needs nothing here.
@@ -175,6 +176,11 @@ class CompiledDecode:
 
         def message(elapsed: float) -> str:
             return f"compiling the decode step (torch.compile, inductor): {elapsed:.0f} s"
+        pool = self.runner.kv_pool
+        for buf in pool.k_buffers + pool.v_buffers:
+            # the pool's token count follows the memory free at start: a graph that took it
+            # as a constant would miss inductor's cache on every start
+            torch._dynamo.maybe_mark_dynamic(buf, 0)
         # built as the scheduler builds them: outside inference mode
         batches = [padding_batch(bs) for bs in sizes]
         if lora is not None:
