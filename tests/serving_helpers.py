@@ -54,9 +54,10 @@ def serve_app(config: dict, proxy_location: str | None = None) -> str:
     from radixray.serve.fleet import prestart_fleet
     port = config["server"]["port"]
     options = {} if proxy_location is None else {"proxy_location": proxy_location}
-    fleet_beats = prestart_fleet(resolve_config(config), f"test-{os.getpid()}")  # as the CLI does
+    cfg = resolve_config(config)
+    fleet_beats = prestart_fleet(cfg, f"test-{os.getpid()}")  # as the CLI does
     serve.start(http_options={"host": "127.0.0.1", "port": port}, **options)
-    serve.run(build_app(config), name="radixray", route_prefix="/", blocking=False)
+    serve.run(build_app(cfg), name="radixray", route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{port}"
     wait_ready(base)
     fleet_beats.set()

@@ -3,9 +3,10 @@ and the workers).
 
 The first ingress replica creates the controller (a named, detached actor,
 ``get_if_exists``), unless ``radixray serve`` already has (:func:`prestart_fleet`); every
-other replica, the CLI (to drain) and admin scripts find it by name. The name carries :meth:`ServeConfig.fleet_key`, so a redeploy that
-changes the fleet's shape starts a new fleet, and the old one stops itself when its
-replicas stop sending heartbeats (:func:`start_heartbeats`).
+other replica, the CLI (to drain) and admin scripts find it by name. The name carries
+:meth:`ServeConfig.fleet_key`, so a redeploy that changes the fleet's shape starts a new
+fleet, and the old one stops itself when its replicas stop sending heartbeats
+(:func:`start_heartbeats`).
 """
 
 from __future__ import annotations
@@ -28,15 +29,19 @@ def prestart_fleet(cfg: ServeConfig, owner: str):
     and workers start while Serve starts its own controller, proxy and replicas, and a
     replica then finds this controller by name and waits on the same start (``radixray
     serve`` of a tiny model: 21.8 s from launch to ready instead of 26.1 s,
-    docs/benchmarks.md). Until the ingress
-    replicas send heartbeats, ``owner`` (the caller: the ``radixray serve`` command, a test)
-    keeps the fleet alive with its own; set the returned ``threading.Event`` once the app
-    answers /ready. A fleet whose app never comes up stops ``fleet.owner_timeout_s`` after
-    its owner stops beating (or its process ends). Returns that event."""
+    docs/benchmarks.md). Until the ingress replicas send heartbeats, ``owner`` (the caller:
+    the ``radixray serve`` command, a test) keeps the fleet alive with its own; set the
+    returned ``threading.Event`` once the app answers /ready. A fleet whose app never comes
+    up stops ``fleet.owner_timeout_s`` after its owner stops beating (or its process ends)."""
     controller = get_or_create_controller(cfg)
-    beats = start_heartbeats(controller, owner, min(5.0, cfg.fleet.owner_timeout_s / 4))
+    beats = start_heartbeats(controller, owner, owner_beat_interval(cfg))
     controller.start.remote()  # its errors reach the ingress, which waits on the same start
     return beats
+
+
+def owner_beat_interval(cfg: ServeConfig) -> float:
+    """Seconds between an owner's heartbeats: four a timeout, at most 5 s apart."""
+    return min(5.0, cfg.fleet.owner_timeout_s / 4)
 
 
 def find_controller(cfg: ServeConfig):

@@ -113,7 +113,12 @@ class Ingress:
 
         from radixray.cluster.metrics import FleetCollector
         from radixray.serve.dispatch import Dispatcher
-        from radixray.serve.fleet import find_router, get_or_create_controller, start_heartbeats
+        from radixray.serve.fleet import (
+            find_router,
+            get_or_create_controller,
+            owner_beat_interval,
+            start_heartbeats,
+        )
 
         self.cfg = ServeConfig.parse(config)
         install_policy(AuthPolicy.from_server(self.cfg.server))
@@ -126,7 +131,7 @@ class Ingress:
         libraries.start()
         self.http_metrics = replica_metrics()
         self.owner = self.http_metrics.replica = f"ingress-{uuid.uuid4().hex[:8]}"
-        start_heartbeats(self.controller, self.owner, min(5.0, self.cfg.fleet.owner_timeout_s / 4),
+        start_heartbeats(self.controller, self.owner, owner_beat_interval(self.cfg),
                          families=self.http_metrics.families)
         info = ray.get(self.controller.start.remote())  # waits for the workers to load
         libraries.join()
